@@ -1,0 +1,222 @@
+"""The metadata contract: what the aggregator commits to Kafka with every offset
+commit, and what the verifier reads back from ``__consumer_offsets``.
+
+See ``docs/metadata.md`` for the full contract. In short, a :class:`Metadata` records
+for one topic-partition:
+
+* the writer (``run``: a random id per job run) and the micro-batch (``batch``);
+* the batch's planned offset range ``[start, end)``;
+* the resume offset (also the committed consumer-group offset): every offset below
+  it is delivered, and it is at or below every unacknowledged block and every
+  buffered message;
+* for every table whose last block may still matter (its last offset is at or above
+  the resume offset), that block's first and last offset.
+
+Encoding: ``"ba1:" + base85(msgpack([run, batch, start, end, resume, packed]))``
+where ``packed`` is a byte string of unsigned LEB128 varints, three per block,
+sorted by table id: ``table_id - previous_table_id`` (the first one raw),
+``first - start`` and ``end - 1 - last``. The relative offsets keep 500 tables
+under the broker's default 4096-byte limit for typical batches; offsets themselves
+are 64-bit. The string is ASCII, so valid UTF-8 without NUL.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgpack
+
+from aggregator.core.exceptions import MetadataDecodeError, MetadataError, MetadataTooLarge
+
+PREFIX: Final = "ba1:"
+"""Marks a metadata string as blockagg's, version 1 of the layout."""
+
+DEFAULT_MAX_BYTES: Final = 4096
+"""Kafka's default ``offset.metadata.max.bytes``."""
+
+DEAD_LETTER_TABLE_ID: Final = 0
+"""Table id reserved for the dead-letter table."""
+
+_MAX_OFFSET: Final = 2**63 - 1
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class BlockRange:
+    """One table's block: the first and last Kafka offset of the messages in it.
+
+    Both ends are inclusive. The block holds every message of ``table_id`` in
+    ``[first, last]`` of its partition, in offset order, and no other message.
+    """
+
+    table_id: int
+    first: int
+    last: int
+
+    def __post_init__(self) -> None:
+        if self.table_id < 0:
+            raise MetadataError(f"table id must be >= 0, got {self.table_id}")
+        if not 0 <= self.first <= self.last <= _MAX_OFFSET:
+            raise MetadataError(
+                f"block of table {self.table_id} has first={self.first} last={self.last}; "
+                "need 0 <= first <= last < 2**63"
+            )
+
+    def overlaps(self, other: BlockRange) -> bool:
+        """True when both blocks share at least one offset."""
+        return self.first <= other.last and other.first <= self.last
+
+
+@dataclass(frozen=True, slots=True)
+class Metadata:
+    """One committed metadata instance for one topic-partition.
+
+    Invariants checked at construction: ``0 <= start <= resume <= end``; every block
+    lies inside ``[start, end)`` and ends at or after ``resume`` (a block that ends
+    before the resume offset no longer matters and must be left out); at most one
+    block per table.
+    """
+
+    run: int
+    batch: int
+    start: int
+    end: int
+    resume: int
+    blocks: tuple[BlockRange, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.run < 2**64:
+            raise MetadataError(f"run id must fit in 64 bits unsigned, got {self.run}")
+        if not 0 <= self.batch < 2**63:
+            raise MetadataError(f"batch id must be >= 0, got {self.batch}")
+        if not 0 <= self.start <= self.resume <= self.end <= _MAX_OFFSET:
+            raise MetadataError(
+                f"need 0 <= start <= resume <= end, got start={self.start} "
+                f"resume={self.resume} end={self.end}"
+            )
+        ordered = tuple(sorted(self.blocks))
+        object.__setattr__(self, "blocks", ordered)
+        seen: set[int] = set()
+        for block in ordered:
+            if block.table_id in seen:
+                raise MetadataError(f"table {block.table_id} has more than one block")
+            seen.add(block.table_id)
+            if not self.start <= block.first <= block.last < self.end:
+                raise MetadataError(
+                    f"block {block} lies outside the batch range [{self.start}, {self.end})"
+                )
+            if block.last < self.resume:
+                raise MetadataError(
+                    f"block {block} ends before the resume offset {self.resume}; "
+                    "a delivered block must be left out of the metadata"
+                )
+
+    @property
+    def is_final(self) -> bool:
+        """True for the commit that closes a batch: everything below ``end`` delivered."""
+        return self.resume == self.end and not self.blocks
+
+    def block_of(self, table_id: int) -> BlockRange | None:
+        """The block recorded for ``table_id``, if any."""
+        for block in self.blocks:
+            if block.table_id == table_id:
+                return block
+        return None
+
+    @property
+    def min_offset(self) -> int:
+        """The seed's ``M.min``: the smallest offset this metadata still needs."""
+        return min([self.resume, *(b.first for b in self.blocks)])
+
+
+def _put_varint(out: bytearray, value: int) -> None:
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+
+
+def _get_varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= len(data):
+            raise MetadataDecodeError("truncated varint in the block list")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise MetadataDecodeError("varint longer than 64 bits in the block list")
+
+
+def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    """Encode ``metadata`` as the string committed with the offset.
+
+    Raises :class:`MetadataTooLarge` (naming ``offset.metadata.max.bytes``) when the
+    result is longer than ``max_bytes``, so the caller fails before inserting.
+    """
+    packed = bytearray()
+    previous = 0
+    for block in metadata.blocks:
+        _put_varint(packed, block.table_id - previous)
+        _put_varint(packed, block.first - metadata.start)
+        _put_varint(packed, metadata.end - 1 - block.last)
+        previous = block.table_id
+    body = msgpack.packb(
+        [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume,
+         bytes(packed)],
+        use_bin_type=True,
+    )
+    text = PREFIX + base64.b85encode(body).decode("ascii")
+    if len(text) > max_bytes:
+        raise MetadataTooLarge(
+            f"metadata for {len(metadata.blocks)} tables encodes to {len(text)} bytes, over "
+            f"the limit of {max_bytes} (the broker's offset.metadata.max.bytes). Raise "
+            "offset.metadata.max.bytes on the brokers and the matching setting here, or "
+            "lower the per-partition batch size (maxOffsetsPerTrigger) so offsets stay small."
+        )
+    return text
+
+
+def decode(text: str) -> Metadata:
+    """Decode a committed metadata string; raises :class:`MetadataDecodeError`.
+
+    Trailing NUL characters, which some clients append, are ignored.
+    """
+    text = text.rstrip("\x00")
+    if not text.startswith(PREFIX):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise MetadataDecodeError(f"not blockagg metadata (expected prefix {PREFIX!r}): {shown!r}")
+    try:
+        body = base64.b85decode(text[len(PREFIX):])
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise MetadataDecodeError(f"corrupt metadata body: {exc}") from exc
+    if not isinstance(fields, list) or len(fields) != 6:
+        raise MetadataDecodeError(f"expected 6 fields in the metadata body, got {fields!r:.80}")
+    run, batch, start, end, resume, packed = fields
+    if not all(isinstance(v, int) for v in (run, batch, start, end, resume)):
+        raise MetadataDecodeError("metadata header fields must be integers")
+    if not isinstance(packed, bytes):
+        raise MetadataDecodeError("metadata block list must be bytes")
+    blocks = []
+    pos = 0
+    table_id = 0
+    try:
+        while pos < len(packed):
+            delta, pos = _get_varint(packed, pos)
+            if blocks and delta == 0:
+                raise MetadataDecodeError("table ids in the block list must be increasing")
+            table_id += delta
+            first_rel, pos = _get_varint(packed, pos)
+            tail, pos = _get_varint(packed, pos)
+            blocks.append(BlockRange(table_id, start + first_rel, end - 1 - tail))
+        return Metadata(run, batch, start, end, resume, tuple(blocks))
+    except MetadataDecodeError:
+        raise
+    except MetadataError as exc:
+        raise MetadataDecodeError(f"metadata violates the contract: {exc}") from exc

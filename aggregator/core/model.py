@@ -1,0 +1,116 @@
+"""The data the core works on, and the two interfaces its operations run against.
+
+A :class:`Batch` is one topic-partition's share of one micro-batch, already split
+into messages (the envelope is decoded before the core sees it). It is columnar:
+one numpy array per attribute, one element per Kafka message, in offset order.
+A :class:`Block` is what the core decides to insert: every message of one table
+in ``[first, last]`` of one partition, identified by positions into the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One partition's messages of one micro-batch, planned as ``[start, end)``.
+
+    ``end`` is the planned end of the range (Spark's until offset), not the last
+    message + 1: the range may end, or have holes, in offsets that carry no visible
+    message (transaction markers, aborted or compacted records).
+
+    Per message ``i`` (arrays of equal length, ``offsets`` strictly increasing and
+    inside ``[start, end)``): ``table_ids[i]`` is the table's stable id (0 is the
+    dead-letter table), ``row_counts[i]`` the number of rows it carries and
+    ``sizes[i]`` its encoded size in bytes. ``payloads[i]`` is opaque to the core
+    and handed to the sink. ``tables`` maps every table id present to its
+    ``database.table`` name. ``partition_end`` is the partition's log-end offset
+    when known; it lets the core notice metadata that is ahead of the partition.
+    """
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+    offsets: Int64Array
+    table_ids: Int64Array
+    row_counts: Int64Array
+    sizes: Int64Array
+    payloads: Sequence[object]
+    tables: Mapping[int, str]
+    partition_end: int | None = None
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """A sealed block: the messages of one table in ``[first, last]``, in order.
+
+    ``positions`` index the batch's arrays. ``token`` is the deduplication token, a
+    pure function of (topic, partition, table, first, last), so a retried block
+    carries the same one. ``replay`` is True when the block is rebuilt from the
+    committed metadata rather than newly formed.
+    """
+
+    topic: str
+    partition: int
+    table_id: int
+    table: str
+    first: int
+    last: int
+    positions: Int64Array
+    rows: int
+    size: int
+    token: str
+    replay: bool = False
+
+    @property
+    def messages(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def block_token(topic: str, partition: int, table: str, first: int, last: int) -> str:
+    """The block's ``insert_deduplication_token``: readable, and a pure function of
+    the block's coordinates, so every retry of the block sends the same token."""
+    return f"blockagg:{topic}:{partition}:{table}:{first}-{last}"
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """What the group has committed for one partition: the offset and its metadata."""
+
+    offset: int
+    metadata: str = field(default="")
+
+
+class MetadataStore(Protocol):
+    """Where metadata is committed: the consumer group's offset commits in Kafka.
+
+    ``commit`` returns only once the broker has durably accepted the commit, and
+    raises otherwise; a commit that raised may or may not have been applied.
+    """
+
+    def committed(self, topic: str, partition: int) -> Committed | None: ...
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None: ...
+
+
+class BlockSink(Protocol):
+    """Where blocks go: ClickHouse, one insert per block.
+
+    ``insert`` returns only once the block is acknowledged (with the configured
+    quorum). Inserting a block that was inserted before is a no-op on the server
+    (block deduplication), which is what makes retries safe.
+    """
+
+    def insert(self, block: Block, batch: Batch) -> None: ...

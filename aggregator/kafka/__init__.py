@@ -1,0 +1,3 @@
+"""Kafka adapters of the aggregator: the ``MetadataStore`` that commits metadata
+strings together with the consumer-group offset, and reads the last one back.
+"""
