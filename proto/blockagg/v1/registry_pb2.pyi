@@ -1,0 +1,30 @@
+# mypy: disable-error-code="type-arg"
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SchemaVersion(_message.Message):
+    __slots__ = ("version", "message_name", "file_descriptor_set", "registered_at_ms")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_NAME_FIELD_NUMBER: _ClassVar[int]
+    FILE_DESCRIPTOR_SET_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    message_name: str
+    file_descriptor_set: bytes
+    registered_at_ms: int
+    def __init__(self, version: _Optional[int] = ..., message_name: _Optional[str] = ..., file_descriptor_set: _Optional[bytes] = ..., registered_at_ms: _Optional[int] = ...) -> None: ...
+
+class Registration(_message.Message):
+    __slots__ = ("table", "table_id", "versions")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    TABLE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    table_id: int
+    versions: _containers.RepeatedCompositeFieldContainer[SchemaVersion]
+    def __init__(self, table: _Optional[str] = ..., table_id: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[SchemaVersion, _Mapping]]] = ...) -> None: ...
