@@ -1,0 +1,1047 @@
+"""The local stack behind ``scripts/stack``: Kafka (KRaft), ZooKeeper, two ClickHouse replicas.
+
+Everything lives under the repository's ignored ``.stack/`` folder (or ``$BLOCKAGG_STACK_DIR``):
+generated configs, data dirs, logs, pid files, the Maven local repository and the resolved jars.
+Only Debian packages (``clickhouse-server``, ``clickhouse-client``, ``zookeeper``, a JDK, Maven)
+live outside it. Every service listens on 127.0.0.1 only. Standard library only, so the script runs
+before the project is installed; the pure parts (config rendering, port/env handling, the Kafka
+wire probe, jar filtering) are unit-tested in ``tests/unit/test_stack_script*.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+CLUSTER_NAME = "blockagg"
+SHARD = "01"
+
+# Apache Kafka: newest 4.x whose full dependency set is on Maven Central as seen from here
+# (4.4.0's kafka-tools-api was missing when this was written). Override: BLOCKAGG_KAFKA_VERSION.
+DEFAULT_KAFKA_VERSION = "4.3.1"
+LOG4J_VERSION = "2.24.3"
+DEPENDENCY_PLUGIN = "org.apache.maven.plugins:maven-dependency-plugin:3.6.1"
+MAVEN_CENTRAL = "https://repo.maven.apache.org/maven2"
+
+APT_PACKAGES = (
+    "clickhouse-server",
+    "clickhouse-client",
+    "zookeeper",
+    "openjdk-17-jre-headless",
+    "maven",
+)
+CLICKHOUSE_SERVER = "/usr/sbin/clickhouse-server"
+ZOOKEEPER_JAR = "/usr/share/java/zookeeper.jar"
+SLF4J_SIMPLE_JAR = "/usr/share/java/slf4j-simple.jar"
+
+# name -> (environment variable, default)
+PORT_DEFAULTS: dict[str, tuple[str, int]] = {
+    "kafka": ("BLOCKAGG_KAFKA_PORT", 19092),
+    "kafka_controller": ("BLOCKAGG_KAFKA_CONTROLLER_PORT", 19093),
+    "zk": ("BLOCKAGG_ZK_PORT", 12181),
+    "ch1_tcp": ("BLOCKAGG_CH1_TCP_PORT", 19000),
+    "ch1_http": ("BLOCKAGG_CH1_HTTP_PORT", 18123),
+    "ch1_interserver": ("BLOCKAGG_CH1_INTERSERVER_PORT", 19009),
+    "ch2_tcp": ("BLOCKAGG_CH2_TCP_PORT", 19100),
+    "ch2_http": ("BLOCKAGG_CH2_HTTP_PORT", 18223),
+    "ch2_interserver": ("BLOCKAGG_CH2_INTERSERVER_PORT", 19109),
+}
+
+SERVICES = ("zookeeper", "clickhouse-r1", "clickhouse-r2", "kafka")
+
+
+class StackError(RuntimeError):
+    """A failure the user must act on; the message says what and where to look."""
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class Ports:
+    kafka: int
+    kafka_controller: int
+    zk: int
+    ch1_tcp: int
+    ch1_http: int
+    ch1_interserver: int
+    ch2_tcp: int
+    ch2_http: int
+    ch2_interserver: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Ports:
+        values: dict[str, int] = {}
+        for name, (var, default) in PORT_DEFAULTS.items():
+            raw = env.get(var, "").strip()
+            if not raw:
+                values[name] = default
+                continue
+            if not raw.isdigit() or not 0 < int(raw) < 65536:
+                raise StackError(f"{var}={raw!r} is not a TCP port (1-65535)")
+            values[name] = int(raw)
+        ports = cls(**values)
+        seen: dict[int, str] = {}
+        for name, value in dataclasses.asdict(ports).items():
+            if value in seen:
+                raise StackError(
+                    f"port {value} is used twice ({PORT_DEFAULTS[seen[value]][0]} and "
+                    f"{PORT_DEFAULTS[name][0]}); give each service its own port"
+                )
+            seen[value] = name
+        return ports
+
+
+@dataclasses.dataclass(frozen=True)
+class Replica:
+    name: str  # r1 / r2
+    tcp: int
+    http: int
+    interserver: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StackConfig:
+    root: Path  # the .stack folder
+    ports: Ports
+    kafka_version: str
+    spark_version: str | None  # None: pyspark not installed and not given
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> StackConfig:
+        env = os.environ if env is None else env
+        root = Path(env.get("BLOCKAGG_STACK_DIR") or REPO_ROOT / ".stack").resolve()
+        return cls(
+            root=root,
+            ports=Ports.from_env(env),
+            kafka_version=env.get("BLOCKAGG_KAFKA_VERSION") or DEFAULT_KAFKA_VERSION,
+            spark_version=env.get("BLOCKAGG_SPARK_VERSION") or installed_pyspark_version(),
+        )
+
+    @property
+    def replicas(self) -> tuple[Replica, Replica]:
+        p = self.ports
+        return (
+            Replica("r1", p.ch1_tcp, p.ch1_http, p.ch1_interserver),
+            Replica("r2", p.ch2_tcp, p.ch2_http, p.ch2_interserver),
+        )
+
+    def service_dir(self, service: str) -> Path:
+        return self.root / service
+
+    @property
+    def kafka_lib(self) -> Path:
+        return self.root / "kafka-lib" / self.kafka_version
+
+    @property
+    def spark_jars_dir(self) -> Path:
+        return self.root / "spark-jars" / (self.spark_version or "none")
+
+    @property
+    def maven_repo(self) -> Path:
+        return self.root / "m2"
+
+
+def installed_pyspark_version() -> str | None:
+    try:
+        return importlib.metadata.version("pyspark")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def pyspark_jars_dir() -> Path | None:
+    spec = importlib.util.find_spec("pyspark")
+    if spec is None or spec.origin is None:
+        return None
+    jars = Path(spec.origin).parent / "jars"
+    return jars if jars.is_dir() else None
+
+
+# --------------------------------------------------------------------------------------------
+# Rendering (pure)
+
+
+def kafka_cluster_id() -> str:
+    """A random Kafka cluster id: 16 bytes, URL-safe base64 without padding (22 chars)."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def render_kafka_properties(cfg: StackConfig) -> str:
+    p = cfg.ports
+    data = cfg.service_dir("kafka") / "data"
+    lines = [
+        "# generated by scripts/stack: Kafka KRaft combined mode (broker + controller), loopback",
+        "process.roles=broker,controller",
+        "node.id=1",
+        f"controller.quorum.voters=1@{HOST}:{p.kafka_controller}",
+        f"listeners=PLAINTEXT://{HOST}:{p.kafka},CONTROLLER://{HOST}:{p.kafka_controller}",
+        f"advertised.listeners=PLAINTEXT://{HOST}:{p.kafka}",
+        "controller.listener.names=CONTROLLER",
+        "inter.broker.listener.name=PLAINTEXT",
+        "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        f"log.dirs={data}",
+        "num.partitions=1",
+        "auto.create.topics.enable=true",
+        # the broker default users have; our metadata must fit in it
+        "offset.metadata.max.bytes=4096",
+        "offsets.topic.num.partitions=3",
+        "offsets.topic.replication.factor=1",
+        "transaction.state.log.replication.factor=1",
+        "transaction.state.log.min.isr=1",
+        "share.coordinator.state.topic.replication.factor=1",
+        "share.coordinator.state.topic.min.isr=1",
+        "group.initial.rebalance.delay.ms=0",
+        "log.retention.hours=168",
+        "log.segment.bytes=67108864",
+        "num.network.threads=2",
+        "num.io.threads=4",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+KAFKA_LOG4J2 = """\
+# generated by scripts/stack
+status = warn
+appender.console.type = Console
+appender.console.name = STDOUT
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.stdout.ref = STDOUT
+logger.state.name = state.change.logger
+logger.state.level = WARN
+logger.cleaner.name = kafka.log.LogCleaner
+logger.cleaner.level = WARN
+"""
+
+
+def render_zoo_cfg(cfg: StackConfig) -> str:
+    data = cfg.service_dir("zookeeper") / "data"
+    return "\n".join(
+        [
+            "# generated by scripts/stack: standalone ZooKeeper for the ClickHouse replicas",
+            "tickTime=2000",
+            "initLimit=10",
+            "syncLimit=5",
+            f"dataDir={data}",
+            f"clientPort={cfg.ports.zk}",
+            f"clientPortAddress={HOST}",
+            "maxClientCnxns=200",
+            "admin.enableServer=false",
+            "4lw.commands.whitelist=srvr,ruok,stat,mntr",
+            "autopurge.snapRetainCount=3",
+            "autopurge.purgeInterval=1",
+            "",
+        ]
+    )
+
+
+def render_clickhouse_config(cfg: StackConfig, replica: Replica) -> str:
+    d = cfg.service_dir(f"clickhouse-{replica.name}")
+    data = d / "data"
+    remote = "\n".join(
+        f"""                <replica><host>{HOST}</host><port>{r.tcp}</port></replica>"""
+        for r in cfg.replicas
+    )
+    return f"""<?xml version="1.0"?>
+<!-- generated by scripts/stack: ClickHouse replica {replica.name} of shard {SHARD} -->
+<yandex>
+    <logger>
+        <level>information</level>
+        <log>{d / "logs" / "server.log"}</log>
+        <errorlog>{d / "logs" / "server.err.log"}</errorlog>
+        <size>100M</size>
+        <count>2</count>
+    </logger>
+    <listen_host>{HOST}</listen_host>
+    <tcp_port>{replica.tcp}</tcp_port>
+    <http_port>{replica.http}</http_port>
+    <interserver_http_port>{replica.interserver}</interserver_http_port>
+    <interserver_http_host>{HOST}</interserver_http_host>
+    <max_connections>512</max_connections>
+    <keep_alive_timeout>3</keep_alive_timeout>
+    <max_concurrent_queries>100</max_concurrent_queries>
+    <uncompressed_cache_size>134217728</uncompressed_cache_size>
+    <mark_cache_size>134217728</mark_cache_size>
+    <path>{data}/</path>
+    <tmp_path>{data}/tmp/</tmp_path>
+    <user_files_path>{data}/user_files/</user_files_path>
+    <format_schema_path>{data}/format_schemas/</format_schema_path>
+    <users_config>{d / "users.xml"}</users_config>
+    <default_profile>default</default_profile>
+    <default_database>default</default_database>
+    <timezone>UTC</timezone>
+    <mlock_executable>false</mlock_executable>
+    <builtin_dictionaries_reload_interval>3600</builtin_dictionaries_reload_interval>
+    <max_session_timeout>3600</max_session_timeout>
+    <default_session_timeout>60</default_session_timeout>
+    <zookeeper>
+        <node index="1"><host>{HOST}</host><port>{cfg.ports.zk}</port></node>
+        <session_timeout_ms>30000</session_timeout_ms>
+    </zookeeper>
+    <macros>
+        <shard>{SHARD}</shard>
+        <replica>{replica.name}</replica>
+        <cluster>{CLUSTER_NAME}</cluster>
+    </macros>
+    <remote_servers>
+        <{CLUSTER_NAME}>
+            <shard>
+                <internal_replication>true</internal_replication>
+{remote}
+            </shard>
+        </{CLUSTER_NAME}>
+    </remote_servers>
+    <distributed_ddl>
+        <path>/clickhouse/task_queue/ddl</path>
+    </distributed_ddl>
+    <merge_tree>
+        <replicated_deduplication_window>100</replicated_deduplication_window>
+    </merge_tree>
+</yandex>
+"""
+
+
+CLICKHOUSE_USERS = """<?xml version="1.0"?>
+<!-- generated by scripts/stack: user 'default', no password, loopback only -->
+<yandex>
+    <profiles>
+        <default>
+            <max_memory_usage>4000000000</max_memory_usage>
+            <load_balancing>random</load_balancing>
+        </default>
+    </profiles>
+    <users>
+        <default>
+            <password></password>
+            <networks><ip>127.0.0.1</ip><ip>::1</ip></networks>
+            <profile>default</profile>
+            <quota>default</quota>
+        </default>
+    </users>
+    <quotas>
+        <default>
+            <interval>
+                <duration>3600</duration>
+                <queries>0</queries><errors>0</errors><result_rows>0</result_rows>
+                <read_rows>0</read_rows><execution_time>0</execution_time>
+            </interval>
+        </default>
+    </quotas>
+</yandex>
+"""
+
+
+def render_pom(artifact_id: str, deps: Iterable[tuple[str, str, str]]) -> str:
+    dep_xml = "\n".join(
+        f"    <dependency><groupId>{g}</groupId><artifactId>{a}</artifactId>"
+        f"<version>{v}</version></dependency>"
+        for g, a, v in deps
+    )
+    return f"""<?xml version="1.0"?>
+<!-- generated by scripts/stack: only used to resolve jars from Maven Central -->
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>local.blockagg.stack</groupId>
+  <artifactId>{artifact_id}</artifactId>
+  <version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>
+{dep_xml}
+  </dependencies>
+</project>
+"""
+
+
+# Every repository (including ones declared in third-party poms) goes to Maven Central.
+MAVEN_SETTINGS = f"""<?xml version="1.0"?>
+<settings>
+  <mirrors>
+    <mirror><id>central-only</id><mirrorOf>*</mirrorOf><url>{MAVEN_CENTRAL}</url></mirror>
+  </mirrors>
+</settings>
+"""
+
+
+def kafka_deps(version: str) -> list[tuple[str, str, str]]:
+    return [
+        ("org.apache.kafka", "kafka_2.13", version),
+        # Kafka 4.x logs through slf4j 1.7 + log4j2
+        ("org.apache.logging.log4j", "log4j-slf4j-impl", LOG4J_VERSION),
+        ("org.apache.logging.log4j", "log4j-core", LOG4J_VERSION),
+    ]
+
+
+def spark_deps(version: str) -> list[tuple[str, str, str]]:
+    return [("org.apache.spark", "spark-sql-kafka-0-10_2.13", version)]
+
+
+_JAR_RE = re.compile(r"^(?P<artifact>.+?)-(?P<version>\d[^-]*(?:-[^-]+)*)\.jar$")
+
+
+def jar_artifact(filename: str) -> str:
+    """``kafka-clients-3.9.0.jar`` -> ``kafka-clients``; ``scala-library_2.13-1.2.jar`` ->
+    ``scala-library_2.13``; a name without a version is returned without ``.jar``."""
+    m = _JAR_RE.match(filename)
+    if m:
+        return m.group("artifact")
+    return filename.removesuffix(".jar")
+
+
+def jars_not_shipped(resolved: Iterable[str], shipped: Iterable[str]) -> list[str]:
+    """The resolved jar names whose artifact pyspark does not already ship (any version)."""
+    have = {jar_artifact(j) for j in shipped}
+    return sorted(j for j in resolved if jar_artifact(j) not in have)
+
+
+def env_lines(cfg: StackConfig, spark_jars: Sequence[Path]) -> list[str]:
+    p = cfg.ports
+    values = {
+        "BLOCKAGG_STACK_DIR": str(cfg.root),
+        "BLOCKAGG_BOOTSTRAP_SERVERS": f"{HOST}:{p.kafka}",
+        "BLOCKAGG_KAFKA_VERSION": cfg.kafka_version,
+        "BLOCKAGG_ZK": f"{HOST}:{p.zk}",
+        "BLOCKAGG_CH_HOST": HOST,
+        "BLOCKAGG_CH_PORTS": f"{p.ch1_tcp},{p.ch2_tcp}",
+        "BLOCKAGG_CH_HTTP_PORTS": f"{p.ch1_http},{p.ch2_http}",
+        "BLOCKAGG_CH_CLUSTER": CLUSTER_NAME,
+        "BLOCKAGG_SPARK_VERSION": cfg.spark_version or "",
+        "BLOCKAGG_SPARK_JARS": ",".join(str(j) for j in spark_jars),
+    }
+    return [f"export {k}={shlex.quote(v)}" for k, v in values.items()]
+
+
+# --------------------------------------------------------------------------------------------
+# Probes
+
+
+def _kafka_string(s: str | None) -> bytes:
+    if s is None:
+        return struct.pack(">h", -1)
+    b = s.encode()
+    return struct.pack(">h", len(b)) + b
+
+
+def kafka_metadata_request(correlation_id: int, client_id: str = "blockagg-stack") -> bytes:
+    """A size-prefixed Metadata v4 request for all topics (v4: still supported by Kafka 4.x,
+    not yet 'flexible', so no tagged fields)."""
+    body = struct.pack(">hhi", 3, 4, correlation_id) + _kafka_string(client_id)
+    body += struct.pack(">i", -1)  # topics: null = all
+    body += struct.pack(">?", False)  # allow_auto_topic_creation
+    return struct.pack(">i", len(body)) + body
+
+
+def parse_kafka_metadata_brokers(payload: bytes, correlation_id: int) -> list[tuple[int, str, int]]:
+    """Brokers (node id, host, port) from a Metadata v4 response payload (after the size)."""
+    off = 0
+
+    def take(fmt: str) -> tuple[int, ...]:
+        nonlocal off
+        vals = struct.unpack_from(fmt, payload, off)
+        off += struct.calcsize(fmt)
+        return vals
+
+    def take_str() -> str | None:
+        nonlocal off
+        (n,) = take(">h")
+        if n < 0:
+            return None
+        s = payload[off : off + n].decode()
+        off += n
+        return s
+
+    (cid,) = take(">i")
+    if cid != correlation_id:
+        raise ValueError(f"correlation id {cid} != {correlation_id}")
+    take(">i")  # throttle_time_ms
+    (count,) = take(">i")
+    brokers = []
+    for _ in range(count):
+        (node,) = take(">i")
+        host = take_str() or ""
+        (port,) = take(">i")
+        take_str()  # rack
+        brokers.append((node, host, port))
+    return brokers
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        buf += chunk
+    return buf
+
+
+def probe_kafka(port: int, timeout: float = 2.0) -> bool:
+    """True when the broker answers a Metadata request listing at least one broker."""
+    try:
+        with socket.create_connection((HOST, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(kafka_metadata_request(7))
+            (size,) = struct.unpack(">i", _recv_exact(s, 4))
+            brokers = parse_kafka_metadata_brokers(_recv_exact(s, size), 7)
+            return len(brokers) >= 1
+    except (OSError, ValueError, struct.error):
+        return False
+
+
+def probe_zookeeper(port: int, timeout: float = 2.0) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(b"srvr")
+            data = b""
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        return b"Mode:" in data
+    except OSError:
+        return False
+
+
+def clickhouse_query(http_port: int, query: str, timeout: float = 5.0) -> str:
+    url = f"http://{HOST}:{http_port}/?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        body: bytes = resp.read()
+        return body.decode()
+
+
+def probe_clickhouse(http_port: int, timeout: float = 2.0) -> bool:
+    try:
+        return clickhouse_query(http_port, "SELECT 1", timeout).strip() == "1"
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+
+
+def read_pid(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def pid_alive(pid: int, marker: str) -> bool:
+    """The process exists, is not a zombie, and its command line contains ``marker`` (so a
+    recycled pid is not mistaken for ours)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except (OSError, IndexError):
+        return False
+    return marker in cmdline
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(text[-lines:])
+
+
+@dataclasses.dataclass
+class Service:
+    name: str
+    ports: dict[str, int]
+    workdir: Path
+    command: Callable[[], list[str]]
+    probe: Callable[[], bool]
+    marker: str  # substring of the command line identifying our process
+    logs: list[Path]
+    prepare: Callable[[], None] = lambda: None
+    startup_timeout: float = 90.0
+
+    @property
+    def pidfile(self) -> Path:
+        return self.workdir / "pid"
+
+    @property
+    def logfile(self) -> Path:
+        return self.workdir / "stdout.log"
+
+    def pid(self) -> int | None:
+        pid = read_pid(self.pidfile)
+        return pid if pid is not None and pid_alive(pid, self.marker) else None
+
+    def is_up(self) -> bool:
+        return self.pid() is not None and self.probe()
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.prepare()
+        with open(self.logfile, "ab") as log:
+            log.write(f"\n===== scripts/stack up {time.strftime('%F %T')} =====\n".encode())
+            log.flush()
+            proc = subprocess.Popen(
+                self.command(),
+                cwd=self.workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.pidfile.write_text(f"{proc.pid}\n")
+
+    def wait_up(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            pid = self.pid()
+            if pid is None:
+                raise StackError(self.failure("exited during startup"))
+            if self.probe():
+                return
+            time.sleep(0.3)
+        raise StackError(self.failure(f"did not answer within {self.startup_timeout:.0f}s"))
+
+    def failure(self, what: str) -> str:
+        parts = [f"{self.name} {what} (ports {self.ports}); its logs:"]
+        for log in [self.logfile, *self.logs]:
+            parts.append(f"--- tail of {log} ---\n{tail(log)}")
+        return "\n".join(parts)
+
+    def stop(self, timeout: float = 20.0) -> bool:
+        pid = self.pid()
+        if pid is None:
+            self.pidfile.unlink(missing_ok=True)
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and pid_alive(pid, self.marker):
+            time.sleep(0.2)
+        if pid_alive(pid, self.marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            while pid_alive(pid, self.marker):
+                time.sleep(0.1)
+        self.pidfile.unlink(missing_ok=True)
+        return True
+
+
+def java() -> str:
+    home = os.environ.get("JAVA_HOME")
+    if home and Path(home, "bin", "java").exists():
+        return str(Path(home, "bin", "java"))
+    return shutil.which("java") or "java"
+
+
+def build_services(cfg: StackConfig) -> dict[str, Service]:
+    p = cfg.ports
+    zk_dir = cfg.service_dir("zookeeper")
+    kafka_dir = cfg.service_dir("kafka")
+
+    def zk_prepare() -> None:
+        (zk_dir / "data").mkdir(parents=True, exist_ok=True)
+        (zk_dir / "zoo.cfg").write_text(render_zoo_cfg(cfg))
+
+    def zk_command() -> list[str]:
+        cp = ":".join(j for j in (ZOOKEEPER_JAR, SLF4J_SIMPLE_JAR) if Path(j).exists())
+        return [
+            java(),
+            "-Xms64m",
+            "-Xmx256m",
+            "-Dzookeeper.jmx.log4j.disable=true",
+            "-Dblockagg.stack=zookeeper",
+            "-cp",
+            cp,
+            "org.apache.zookeeper.server.ZooKeeperServerMain",
+            str(zk_dir / "zoo.cfg"),
+        ]
+
+    def kafka_prepare() -> None:
+        kafka_dir.mkdir(parents=True, exist_ok=True)
+        (kafka_dir / "server.properties").write_text(render_kafka_properties(cfg))
+        (kafka_dir / "log4j2.properties").write_text(KAFKA_LOG4J2)
+        if not (kafka_dir / "data" / "meta.properties").exists():
+            cmd = [
+                *kafka_java(),
+                "kafka.tools.StorageTool",
+                "format",
+                "--cluster-id",
+                kafka_cluster_id(),
+                "--config",
+                str(kafka_dir / "server.properties"),
+                "--ignore-formatted",
+            ]
+            res = subprocess.run(cmd, cwd=kafka_dir, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                raise StackError(
+                    f"kafka storage format failed ({shlex.join(cmd)}):\n{res.stdout}\n{res.stderr}"
+                )
+
+    def kafka_java() -> list[str]:
+        return [
+            java(),
+            "-Xms256m",
+            "-Xmx512m",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-Djava.awt.headless=true",
+            "-Dblockagg.stack=kafka",
+            f"-Dlog4j2.configurationFile={kafka_dir / 'log4j2.properties'}",
+            f"-Dkafka.logs.dir={kafka_dir / 'logs'}",
+            "-cp",
+            f"{cfg.kafka_lib}/*",
+        ]
+
+    services: dict[str, Service] = {
+        "zookeeper": Service(
+            name="zookeeper",
+            ports={"client": p.zk},
+            workdir=zk_dir,
+            command=zk_command,
+            probe=lambda: probe_zookeeper(p.zk),
+            marker=str(zk_dir / "zoo.cfg"),
+            logs=[],
+            prepare=zk_prepare,
+            startup_timeout=60,
+        ),
+    }
+    for r in cfg.replicas:
+        d = cfg.service_dir(f"clickhouse-{r.name}")
+
+        def ch_prepare(r: Replica = r, d: Path = d) -> None:
+            (d / "data").mkdir(parents=True, exist_ok=True)
+            (d / "logs").mkdir(parents=True, exist_ok=True)
+            (d / "config.xml").write_text(render_clickhouse_config(cfg, r))
+            (d / "users.xml").write_text(CLICKHOUSE_USERS)
+
+        def ch_command(d: Path = d) -> list[str]:
+            return [CLICKHOUSE_SERVER, f"--config-file={d / 'config.xml'}"]
+
+        services[f"clickhouse-{r.name}"] = Service(
+            name=f"clickhouse-{r.name}",
+            ports={"tcp": r.tcp, "http": r.http, "interserver": r.interserver},
+            workdir=d,
+            command=ch_command,
+            probe=lambda r=r: probe_clickhouse(r.http),  # type: ignore[misc]
+            marker=str(d / "config.xml"),
+            logs=[d / "logs" / "server.err.log", d / "logs" / "server.log"],
+            prepare=ch_prepare,
+            startup_timeout=90,
+        )
+    services["kafka"] = Service(
+        name="kafka",
+        ports={"broker": p.kafka, "controller": p.kafka_controller},
+        workdir=kafka_dir,
+        command=lambda: [*kafka_java(), "kafka.Kafka", str(kafka_dir / "server.properties")],
+        probe=lambda: probe_kafka(p.kafka),
+        marker=str(kafka_dir / "server.properties"),
+        logs=[],
+        prepare=kafka_prepare,
+        startup_timeout=120,
+    )
+    return services
+
+
+# --------------------------------------------------------------------------------------------
+# Installation
+
+
+def log(msg: str) -> None:
+    print(f"[stack] {msg}", file=sys.stderr, flush=True)
+
+
+def missing_system_packages() -> list[str]:
+    missing = []
+    if not Path(CLICKHOUSE_SERVER).exists():
+        missing.append("clickhouse-server")
+    if not shutil.which("clickhouse-client"):
+        missing.append("clickhouse-client")
+    if not Path(ZOOKEEPER_JAR).exists():
+        missing.append("zookeeper")
+    if not shutil.which("java"):
+        missing.append("openjdk-17-jre-headless")
+    if not shutil.which("mvn"):
+        missing.append("maven")
+    return missing
+
+
+def install_system_packages() -> None:
+    missing = missing_system_packages()
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        raise StackError(
+            f"missing Debian packages: {' '.join(missing)}; run as root: "
+            f"apt-get install -y {' '.join(missing)}"
+        )
+    log(f"apt-get install {' '.join(missing)}")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    res = subprocess.run(
+        ["apt-get", "install", "-y", "--no-install-recommends", *missing], env=env, check=False
+    )
+    if res.returncode != 0:
+        subprocess.run(["apt-get", "update"], env=env, check=True)
+        subprocess.run(
+            ["apt-get", "install", "-y", "--no-install-recommends", *missing], env=env, check=True
+        )
+    # The Debian packages enable system services on ports 9000/2181; we don't use them.
+
+
+def maven_copy_dependencies(
+    cfg: StackConfig, name: str, deps: list[tuple[str, str, str]], out: Path
+) -> list[str]:
+    work = cfg.root / "maven" / name
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "pom.xml").write_text(render_pom(name, deps))
+    (work / "settings.xml").write_text(MAVEN_SETTINGS)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [
+        "mvn",
+        "-B",
+        "-q",
+        "-s",
+        str(work / "settings.xml"),
+        "-f",
+        str(work / "pom.xml"),
+        f"-Dmaven.repo.local={cfg.maven_repo}",
+        f"{DEPENDENCY_PLUGIN}:copy-dependencies",
+        f"-DoutputDirectory={tmp}",
+        "-DincludeScope=runtime",
+    ]
+    log(f"resolving {name} from Maven Central: {', '.join(':'.join(d) for d in deps)}")
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        errors = "\n".join(line for line in res.stdout.splitlines() if "ERROR" in line)
+        raise StackError(f"Maven could not resolve {name} ({shlex.join(cmd)}):\n{errors}")
+    return sorted(p.name for p in tmp.glob("*.jar"))
+
+
+def install_kafka(cfg: StackConfig) -> None:
+    if (cfg.kafka_lib / "COMPLETE").exists():
+        return
+    jars = maven_copy_dependencies(cfg, "kafka", kafka_deps(cfg.kafka_version), cfg.kafka_lib)
+    tmp = cfg.kafka_lib.with_name(cfg.kafka_lib.name + ".partial")
+    (tmp / "COMPLETE").write_text("\n".join(jars) + "\n")
+    shutil.rmtree(cfg.kafka_lib, ignore_errors=True)
+    tmp.rename(cfg.kafka_lib)
+
+
+def install_spark_jars(cfg: StackConfig) -> None:
+    if cfg.spark_version is None:
+        raise StackError(
+            "pyspark is not installed: pip install -e '.[dev]' first "
+            "(or set BLOCKAGG_SPARK_VERSION)"
+        )
+    out = cfg.spark_jars_dir
+    if (out / "COMPLETE").exists():
+        return
+    try:
+        resolved = maven_copy_dependencies(cfg, "spark", spark_deps(cfg.spark_version), out)
+    except StackError as e:
+        raise StackError(
+            f"{e}\nThe Kafka connector must match pyspark exactly ({cfg.spark_version}); "
+            "if Maven Central lacks that version, install a pyspark version it has "
+            "(see pyproject.toml)."
+        ) from e
+    tmp = out.with_name(out.name + ".partial")
+    shipped_dir = pyspark_jars_dir()
+    shipped = [p.name for p in shipped_dir.glob("*.jar")] if shipped_dir else []
+    keep = jars_not_shipped(resolved, shipped)
+    for name in resolved:
+        if name not in keep:
+            (tmp / name).unlink()
+    (tmp / "COMPLETE").write_text("\n".join(keep) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def spark_jars(cfg: StackConfig) -> list[Path]:
+    marker = cfg.spark_jars_dir / "COMPLETE"
+    if not marker.exists():
+        return []
+    return [cfg.spark_jars_dir / n for n in marker.read_text().split()]
+
+
+def install(cfg: StackConfig) -> None:
+    install_system_packages()
+    cfg.root.mkdir(parents=True, exist_ok=True)
+    install_kafka(cfg)
+    install_spark_jars(cfg)
+
+
+def installed(cfg: StackConfig) -> bool:
+    return (
+        not missing_system_packages()
+        and (cfg.kafka_lib / "COMPLETE").exists()
+        and (cfg.spark_version is None or (cfg.spark_jars_dir / "COMPLETE").exists())
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0
+
+
+def cmd_up(cfg: StackConfig) -> int:
+    t0 = time.monotonic()
+    services = build_services(cfg)
+    if all(s.is_up() for s in services.values()):
+        log(f"already up ({time.monotonic() - t0:.1f}s)")
+        return 0
+    if not installed(cfg):
+        install(cfg)
+    down = [s for s in services.values() if not s.is_up()]
+    for s in down:
+        if s.pid() is not None:  # running but not answering: restart it
+            s.stop()
+        for port in s.ports.values():
+            if port_in_use(port):
+                raise StackError(
+                    f"{s.name}: port {port} is already in use by another process; "
+                    f"free it or override the port (see scripts/stack --help)"
+                )
+    names = {s.name for s in down}
+
+    def start_and_wait(group: list[str]) -> None:
+        todo = [services[n] for n in group if n in names]
+        for s in todo:
+            log(f"starting {s.name} on {s.ports}")
+            s.start()
+        for s in todo:
+            s.wait_up()
+            log(f"{s.name} is up ({time.monotonic() - t0:.1f}s)")
+
+    # Kafka is independent: start it first so its JVM warms up while ZK and ClickHouse start.
+    if "kafka" in names:
+        log(f"starting kafka on {services['kafka'].ports}")
+        services["kafka"].start()
+    start_and_wait(["zookeeper"])
+    start_and_wait(["clickhouse-r1", "clickhouse-r2"])
+    if "kafka" in names:
+        services["kafka"].wait_up()
+        log(f"kafka is up ({time.monotonic() - t0:.1f}s)")
+    log(
+        f'stack up in {time.monotonic() - t0:.1f}s; `eval "$(scripts/stack env)"` for its addresses'
+    )
+    return 0
+
+
+def cmd_down(cfg: StackConfig, wipe: bool) -> int:
+    services = build_services(cfg)
+    # Kafka and ClickHouse first, ZooKeeper last (ClickHouse wants it while shutting down).
+    for name in ("kafka", "clickhouse-r1", "clickhouse-r2", "zookeeper"):
+        s = services[name]
+        if s.stop():
+            log(f"stopped {name}")
+        else:
+            log(f"{name} was not running (under this stack)")
+    if wipe:
+        for s in services.values():
+            if s.workdir.exists():
+                shutil.rmtree(s.workdir)
+        log(f"wiped service data under {cfg.root} (installed jars kept)")
+    return 0
+
+
+def status_rows(cfg: StackConfig) -> list[tuple[str, bool, str, int | None, int]]:
+    rows = []
+    for s in build_services(cfg).values():
+        pid = s.pid()
+        up = pid is not None and s.probe()
+        ports = " ".join(f"{k}={HOST}:{v}" for k, v in s.ports.items())
+        rows.append((s.name, up, ports, pid, rss_kib(pid) if pid else 0))
+    return rows
+
+
+def cmd_status(cfg: StackConfig) -> int:
+    rows = status_rows(cfg)
+    total = 0
+    for name, up, ports, pid, rss in rows:
+        total += rss
+        state = "up" if up else "down"
+        extra = f"pid {pid}, rss {rss // 1024} MiB" if pid else "not running"
+        print(f"{name:14} {state:5} {ports}  ({extra})")
+    print(f"{'total rss':14} {total // 1024} MiB")
+    return 0 if all(up for _, up, *_ in rows) else 1
+
+
+def cmd_env(cfg: StackConfig) -> int:
+    for line in env_lines(cfg, spark_jars(cfg)):
+        print(line)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="scripts/stack",
+        description="Local blockagg stack on 127.0.0.1: Kafka (KRaft), ZooKeeper, two ClickHouse "
+        "replicas, Spark Kafka connector jars. State in .stack/.",
+        epilog="Ports (env override, default): "
+        + ", ".join(f"{var}={default}" for var, default in PORT_DEFAULTS.values())
+        + ". Also BLOCKAGG_STACK_DIR, BLOCKAGG_KAFKA_VERSION, BLOCKAGG_SPARK_VERSION.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("install", help="install Debian packages, resolve jars (up does it if needed)")
+    sub.add_parser("up", help="start whatever is not running and wait until it answers")
+    down = sub.add_parser("down", help="stop the processes up started")
+    down.add_argument("--wipe", action="store_true", help="also delete their data and logs")
+    sub.add_parser("status", help="per service: up/down and port; non-zero if anything is down")
+    sub.add_parser("env", help="print export lines for eval")
+    args = parser.parse_args(argv)
+    try:
+        cfg = StackConfig.from_env()
+        if args.command == "install":
+            install(cfg)
+            return 0
+        if args.command == "up":
+            return cmd_up(cfg)
+        if args.command == "down":
+            return cmd_down(cfg, args.wipe)
+        if args.command == "status":
+            return cmd_status(cfg)
+        return cmd_env(cfg)
+    except StackError as e:
+        print(f"scripts/stack {args.command}: {e}", file=sys.stderr)
+        return 1
