@@ -203,7 +203,7 @@ def decode(text: str) -> Metadata:
         raise MetadataDecodeError("metadata header fields must be integers")
     if not isinstance(packed, bytes):
         raise MetadataDecodeError("metadata block list must be bytes")
-    blocks = []
+    blocks: list[BlockRange] = []
     pos = 0
     table_id = 0
     try:

@@ -16,6 +16,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from aggregator.exceptions import ConfigError
+
 Int64Array = npt.NDArray[np.int64]
 
 
@@ -114,3 +116,25 @@ class BlockSink(Protocol):
     """
 
     def insert(self, block: Block, batch: Batch) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """When a table's buffer seals into a block, and how large a commit may be.
+
+    A buffer seals when adding a message makes it reach ``max_rows`` rows or
+    ``max_bytes`` bytes. Only message content counts, never time, so a retry of the
+    same messages seals at the same places. ``max_metadata_bytes`` is the broker's
+    ``offset.metadata.max.bytes``.
+    """
+
+    max_rows: int
+    max_bytes: int
+    max_metadata_bytes: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1 or self.max_bytes < 1:
+            raise ConfigError(
+                f"block thresholds must be >= 1, got max_rows={self.max_rows} "
+                f"max_bytes={self.max_bytes}"
+            )
