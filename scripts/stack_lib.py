@@ -399,7 +399,7 @@ def spark_deps(version: str) -> list[tuple[str, str, str]]:
     return [("org.apache.spark", "spark-sql-kafka-0-10_2.13", version)]
 
 
-_JAR_RE = re.compile(r"^(?P<artifact>.+?)-(?P<version>\d[^-]*(?:-[^-]+)*)\.jar$")
+_JAR_RE = re.compile(r"^(?P<artifact>.+?)-(?P<version>\d+(?:\.\d+)+(?:[.-][A-Za-z0-9_]+)*)\.jar$")
 
 
 def jar_artifact(filename: str) -> str:
@@ -417,7 +417,8 @@ def jars_not_shipped(resolved: Iterable[str], shipped: Iterable[str]) -> list[st
     return sorted(j for j in resolved if jar_artifact(j) not in have)
 
 
-def env_lines(cfg: StackConfig, spark_jars: Sequence[Path]) -> list[str]:
+def env_values(cfg: StackConfig, spark_jars: Sequence[Path]) -> dict[str, str]:
+    """What `scripts/stack env` exports, as a dict (the integration fixtures use it too)."""
     p = cfg.ports
     values = {
         "BLOCKAGG_STACK_DIR": str(cfg.root),
@@ -431,7 +432,11 @@ def env_lines(cfg: StackConfig, spark_jars: Sequence[Path]) -> list[str]:
         "BLOCKAGG_SPARK_VERSION": cfg.spark_version or "",
         "BLOCKAGG_SPARK_JARS": ",".join(str(j) for j in spark_jars),
     }
-    return [f"export {k}={shlex.quote(v)}" for k, v in values.items()]
+    return values
+
+
+def env_lines(cfg: StackConfig, spark_jars: Sequence[Path]) -> list[str]:
+    return [f"export {k}={shlex.quote(v)}" for k, v in env_values(cfg, spark_jars).items()]
 
 
 # --------------------------------------------------------------------------------------------
