@@ -1,0 +1,280 @@
+"""The REPLAY -> CONSUME protocol, case by case: the peers' classic cases (whole batch
+new, retried, retried after the intent, after the insert, split differently, cropped,
+inside or overlapping a previous block, offsets reset, entirely delivered) and our
+refusals, each against an in-memory consumer group and a deduplicating ClickHouse."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from aggregator.core.exceptions import (
+    BatchEndsInsideReplayBlock,
+    BatchRefused,
+    MetadataAheadOfPartition,
+    MetadataContractViolation,
+    MetadataDecodeError,
+    MetadataTooLarge,
+    OffsetGap,
+    ReplayBlockMissing,
+)
+from aggregator.core.metadata import BlockRange, Metadata, encode
+from aggregator.core.model import Thresholds
+from aggregator.core.protocol import (
+    BatchReport,
+    CommitMetadata,
+    InsertBlock,
+    Plan,
+    plan_batch,
+    process_batch,
+    run_batch,
+)
+from tests.unit.core.fakes import (
+    DedupSink,
+    MemoryMetadataStore,
+    Message,
+    expected_rows,
+    make_batch,
+    run_crashing,
+)
+from tests.unit.core.history import anomalies
+
+HOLES = (7, 15, 22)
+STREAM: list[Message] = [(o, 1 + o % 3, 1 + o % 2) for o in range(30) if o not in HOLES]
+"""Three interleaved tables, 1 or 2 rows per message, offset holes (transaction markers)."""
+
+THRESHOLDS = Thresholds(max_rows=5, max_bytes=10_000)
+
+
+def plan(store: MemoryMetadataStore, start: int, end: int, *, batch_id: int = 0,
+         stream: Sequence[Message] = STREAM, partition_end: int | None = 30) -> Plan:
+    batch = make_batch(stream, start, end, partition_end=partition_end)
+    return plan_batch(batch, store.committed("events", 0), THRESHOLDS, run=1, batch_id=batch_id)
+
+
+def run(store: MemoryMetadataStore, sink: DedupSink, start: int, end: int,
+        **kwargs: object) -> BatchReport:
+    return run_batch(plan(store, start, end, **kwargs), store, sink)  # type: ignore[arg-type]
+
+
+def delivered(messages: Sequence[Message], start: int, end: int) -> list[Message]:
+    return [m for m in messages if start <= m[0] < end]
+
+
+def assert_exactly_once(store: MemoryMetadataStore, sink: DedupSink, until: int) -> None:
+    assert sink.rows == expected_rows(delivered(STREAM, 0, until))
+    history = store.metadata_history()
+    assert anomalies(history) == []
+    assert history[-1].is_final and history[-1].resume == until
+
+
+def commit_metadata(store: MemoryMetadataStore, metadata: Metadata) -> None:
+    store.commit("events", 0, metadata.resume, encode(metadata))
+
+
+def test_new_batch_delivers_every_row_once_and_ends_with_the_final_commit() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    report = run(store, sink, 0, 30)
+    assert_exactly_once(store, sink, 30)
+    assert report.rows == sum(m[2] for m in STREAM)
+    assert report.messages == len(STREAM)
+    assert report.replayed_blocks == 0 and report.delivered_messages == 0
+    assert report.commits == len(store.history) >= 2
+
+
+def test_every_insert_follows_a_commit_that_lists_it_and_resumes_at_or_below_it() -> None:
+    operations = list(plan(MemoryMetadataStore(), 0, 30))
+    last_commit: CommitMetadata | None = None
+    for operation in operations:
+        if isinstance(operation, CommitMetadata):
+            last_commit = operation
+            continue
+        assert last_commit is not None
+        block = operation.block
+        assert last_commit.metadata.block_of(block.table_id) == BlockRange(
+            block.table_id, block.first, block.last
+        )
+        assert last_commit.offset <= block.first
+    assert isinstance(operations[-1], CommitMetadata) and operations[-1].metadata.is_final
+
+
+def test_batch_retried_identically_after_success_is_skipped() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    run(store, sink, 0, 30)
+    commits, inserted = len(store.history), len(sink.inserted)
+    report = run(store, sink, 0, 30)
+    assert report.skipped and report.commits == 0 and report.blocks == 0
+    assert (len(store.history), len(sink.inserted)) == (commits, inserted)
+
+
+def test_retry_after_the_intent_before_the_insert_rebuilds_the_same_blocks() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    first = plan(store, 0, 30)
+    assert not run_crashing(first, store, sink, at=0, after=True)
+    assert sink.inserted == []
+    intent = store.metadata_history()[-1]
+    retry = plan(store, 0, 30)
+    head = retry.operations[0]
+    assert isinstance(head, CommitMetadata) and head.metadata.blocks == intent.blocks
+    rebuilt = [op.block for op in retry.operations[1:] if isinstance(op, InsertBlock)]
+    originals = [op.block for op in first.operations[1:] if isinstance(op, InsertBlock)]
+    assert [(b.token, b.rows, b.positions.tolist()) for b in rebuilt[: len(intent.blocks)]] == [
+        (b.token, b.rows, b.positions.tolist()) for b in originals[: len(intent.blocks)]
+    ]
+    run_batch(retry, store, sink)
+    assert_exactly_once(store, sink, 30)
+
+
+def test_retry_after_the_insert_before_the_final_commit_is_deduplicated() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    first = plan(store, 0, 30)
+    assert not run_crashing(first, store, sink, at=len(first.operations) - 1, after=False)
+    report = run(store, sink, 0, 30)
+    assert report.replayed_blocks > 0
+    assert len(sink.deduplicated) == report.replayed_blocks
+    assert_exactly_once(store, sink, 30)
+
+
+def test_batch_split_differently_on_retry_delivers_exactly_once() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    first = plan(store, 0, 30)
+    assert not run_crashing(first, store, sink, at=4, after=True)
+    resume = store.metadata_history()[-1].resume
+    run(store, sink, resume, 26, batch_id=1)
+    run(store, sink, 26, 30, batch_id=2)
+    assert_exactly_once(store, sink, 30)
+
+
+def test_range_starting_before_the_resume_offset_is_cropped() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    run(store, sink, 0, 10)
+    report = run(store, sink, 5, 20, batch_id=1)
+    assert report.delivered_messages == len(delivered(STREAM, 5, 10))
+    assert min(b.first for b in sink.inserted[-report.blocks:]) >= 10
+    run(store, sink, 20, 30, batch_id=2)
+    assert_exactly_once(store, sink, 30)
+
+
+def test_range_entirely_before_the_committed_metadata_is_skipped() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    run(store, sink, 0, 20)
+    before = (len(store.history), len(sink.inserted))
+    report = run(store, sink, 3, 12, batch_id=1)
+    assert report.skipped and report.delivered_messages == len(delivered(STREAM, 3, 12))
+    assert (len(store.history), len(sink.inserted)) == before
+
+
+def test_range_overlapping_a_replay_block_rebuilds_it_then_consumes() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    run(store, sink, 0, 10)
+    commit_metadata(store, Metadata(1, 1, 10, 30, 10, (BlockRange(1, 18, 21),)))
+    report = run(store, sink, 4, 30, batch_id=2)
+    replayed = [b for b in sink.inserted if b.replay]
+    assert [(b.table_id, b.first, b.last, b.messages) for b in replayed] == [(1, 18, 21, 2)]
+    assert report.delivered_messages == len(delivered(STREAM, 4, 10)) + 1
+    assert sink.rows == expected_rows([m for m in STREAM if m[:2] != (12, 1)])
+
+
+REFUSALS = [
+    pytest.param(Metadata(1, 0, 0, 30, 10, ()), 15, 30, 30, OffsetGap,
+                 "would be lost", id="gap_after_the_resume_offset"),
+    pytest.param(Metadata(1, 0, 0, 30, 30, ()), 0, 10, 10, MetadataAheadOfPartition,
+                 "recreated", id="offsets_reset_to_zero"),
+    pytest.param(Metadata(1, 0, 0, 30, 10, (BlockRange(1, 10, 19),)), 10, 16, 30,
+                 BatchEndsInsideReplayBlock, "maxOffsetsPerTrigger",
+                 id="range_inside_an_unfinished_block"),
+    pytest.param(Metadata(1, 0, 0, 30, 10, (BlockRange(1, 10, 19),)), 0, 19, 30,
+                 BatchEndsInsideReplayBlock, "maxOffsetsPerTrigger",
+                 id="batch_ends_at_the_replay_blocks_last_offset"),
+    pytest.param(Metadata(1, 0, 0, 30, 10, (BlockRange(1, 11, 19),)), 10, 30, 30,
+                 ReplayBlockMissing, "retention", id="replay_block_not_in_the_batch"),
+    pytest.param(Metadata(1, 0, 0, 30, 12, (BlockRange(1, 10, 19),)), 0, 30, 30,
+                 MetadataContractViolation, "invariant 5", id="block_below_the_resume_offset"),
+]
+
+
+@pytest.mark.parametrize(("metadata", "start", "end", "partition_end", "error", "says"),
+                         REFUSALS)
+def test_refused_batch_commits_and_inserts_nothing(
+    metadata: Metadata, start: int, end: int, partition_end: int,
+    error: type[BatchRefused], says: str,
+) -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    commit_metadata(store, metadata)
+    with pytest.raises(error, match=says):
+        process_batch(
+            make_batch(STREAM, start, end, partition_end=partition_end),
+            store, sink, THRESHOLDS, run=2, batch_id=1,
+        )
+    assert len(store.history) == 1 and sink.inserted == []
+
+
+def test_corrupt_metadata_of_ours_is_refused_as_a_decode_error() -> None:
+    store = MemoryMetadataStore()
+    store.commit("events", 0, 10, "ba1:%%%not-base85")
+    with pytest.raises(MetadataDecodeError):
+        plan(store, 0, 30)
+
+
+def test_metadata_too_large_refuses_before_any_operation() -> None:
+    wide = [(o, 1 + o, 1) for o in range(200)]
+    batch = make_batch(wide, 0, 200)
+    small = Thresholds(max_rows=1_000, max_bytes=1_000_000, max_metadata_bytes=300)
+    store, sink = MemoryMetadataStore(), DedupSink()
+    with pytest.raises(MetadataTooLarge, match="offset.metadata.max.bytes"):
+        process_batch(batch, store, sink, small, run=1, batch_id=0)
+    assert store.history == [] and sink.inserted == []
+
+
+def test_batch_ending_in_an_offset_hole_commits_its_planned_end() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    run(store, sink, 0, 23)
+    assert store.metadata_history()[-1].resume == 23
+    report = run(store, sink, 22, 23, batch_id=1)
+    assert report.skipped
+    run(store, sink, 23, 30, batch_id=2)
+    assert_exactly_once(store, sink, 30)
+
+
+def test_batch_of_only_holes_advances_the_resume_offset() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    run(store, sink, 0, 15)
+    report = run(store, sink, 15, 16, batch_id=1)
+    assert report.blocks == 0 and report.commits == 1
+    assert store.metadata_history()[-1].resume == 16
+
+
+def test_foreign_commit_is_the_operators_acknowledgement_and_is_reported() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    run(store, sink, 0, 10)
+    store.commit("events", 0, 20, "")
+    report = run(store, sink, 10, 30, batch_id=1)
+    assert report.warning is not None and "not written by blockagg" in report.warning
+    assert sink.rows == expected_rows([m for m in STREAM if not 10 <= m[0] < 20])
+
+
+def test_commit_moved_away_from_its_metadata_is_treated_as_foreign() -> None:
+    store, sink = MemoryMetadataStore(), DedupSink()
+    store.commit("events", 0, 5, encode(Metadata(1, 0, 0, 30, 10, (BlockRange(1, 10, 19),))))
+    report = run(store, sink, 0, 30)
+    assert report.warning is not None and "differs from the resume offset" in report.warning
+    assert report.replayed_blocks == 0
+    assert sink.rows == expected_rows(delivered(STREAM, 5, 30))
+
+
+def test_crash_at_every_operation_then_retry_with_other_boundaries_is_exactly_once() -> None:
+    operations = len(plan(MemoryMetadataStore(), 0, 30).operations)
+    for at in range(operations):
+        for after in (False, True):
+            store, sink = MemoryMetadataStore(), DedupSink()
+            assert not run_crashing(plan(store, 0, 30), store, sink, at=at, after=after)
+            committed = store.committed("events", 0)
+            resume = 0 if committed is None else committed.offset
+            try:
+                run(store, sink, resume, 27, batch_id=1)
+            except BatchEndsInsideReplayBlock:
+                run(store, sink, resume, 30, batch_id=1)
+            if store.metadata_history()[-1].resume < 30:
+                run(store, sink, 27, 30, batch_id=2)
+            assert_exactly_once(store, sink, 30)
