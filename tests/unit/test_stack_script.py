@@ -292,3 +292,29 @@ def test_docker_compose_file_parses_and_has_the_topology() -> None:
                 assert (REPO_ROOT / src).exists(), f"{name} mounts missing {src}"
     env = services["kafka"]["environment"]
     assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
+
+
+def test_docker_clickhouse_configs_are_xml_with_macros_per_replica() -> None:
+    for replica in ("r1", "r2"):
+        root = ET.parse(REPO_ROOT / "docker" / "clickhouse" / f"{replica}.xml").getroot()
+        assert root.findtext("macros/replica") == replica
+        assert root.findtext("macros/shard") == "01"
+    cluster = ET.parse(REPO_ROOT / "docker" / "clickhouse" / "cluster.xml").getroot()
+    hosts = [r.findtext("host") for r in cluster.iterfind("remote_servers/blockagg/shard/replica")]
+    assert hosts == ["clickhouse-r1", "clickhouse-r2"]
+
+
+def test_docker_compose_config_validates_when_a_compose_client_is_installed() -> None:
+    import shutil
+
+    compose = shutil.which("docker-compose")
+    if compose is None:
+        pytest.skip("docker-compose (Debian package) not installed")
+    res = subprocess.run(
+        [compose, "-f", str(REPO_ROOT / "docker-compose.yml"), "config", "-q"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
