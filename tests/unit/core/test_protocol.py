@@ -222,7 +222,7 @@ def test_metadata_too_large_refuses_before_any_operation() -> None:
     batch = make_batch(wide, 0, 200)
     small = Thresholds(max_rows=1_000, max_bytes=1_000_000, max_metadata_bytes=300)
     store, sink = MemoryMetadataStore(), DedupSink()
-    with pytest.raises(MetadataTooLarge, match="offset.metadata.max.bytes"):
+    with pytest.raises(MetadataTooLarge, match=r"offset\.metadata\.max\.bytes"):
         process_batch(batch, store, sink, small, run=1, batch_id=0)
     assert store.history == [] and sink.inserted == []
 
