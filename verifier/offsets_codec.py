@@ -18,6 +18,9 @@ Layout, from Kafka's ``group-coordinator`` message schemas (all integers big-end
         trailing tagged-field section (flexible version, KIP-482)
   ====  ==================================================================================
 
+  Kafka 4.x (observed on 4.x brokers) writes version 4 with one tagged field, tag 0, of
+  16 bytes: the committed topic's id (:attr:`OffsetCommitValue.topic_id`).
+
   A ``string`` is an int16 length then UTF-8 bytes; -1 (null) is refused because the
   schemas declare these strings non-nullable. A missing value (``None``) is a tombstone:
   the group's offset for that partition was deleted or expired.
@@ -41,6 +44,7 @@ LEGACY_OFFSET_COMMIT: Final = 0
 OFFSET_COMMIT: Final = 1
 GROUP_METADATA: Final = 2
 MAX_VALUE_VERSION: Final = 4
+TOPIC_ID_TAG: Final = 0
 
 _I16: Final = struct.Struct(">h")
 _I32: Final = struct.Struct(">i")
@@ -75,6 +79,14 @@ class OffsetCommitValue:
     leader_epoch: int = -1
     expire_timestamp: int = -1
     tagged_fields: tuple[tuple[int, bytes], ...] = field(default=())
+
+    @property
+    def topic_id(self) -> bytes | None:
+        """Tag 0 of version 4 when it is 16 bytes: the topic's id, which Kafka 4.x writes."""
+        for tag, raw in self.tagged_fields:
+            if tag == TOPIC_ID_TAG and len(raw) == 16:
+                return raw
+        return None
 
 
 @dataclass(frozen=True, slots=True)
