@@ -185,7 +185,8 @@ def test_topic_filter_and_unknown_group(kafka_bootstrap: str, data_topic: str) -
 
 
 def test_decoder_on_raw_broker_records(kafka_bootstrap: str, data_topic: str) -> None:
-    history = [md(100, 200, 150, B(1, 150, 199)), md(100, 200, 200), (250, "operator")]
+    history: list[Entry] = [
+        md(100, 200, 150, B(1, 150, 199)), md(100, 200, 200), (250, "operator")]
     group = commit_history(kafka_bootstrap, data_topic, history)
     consumer = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": "raw-" + group,
                          "enable.auto.commit": False, "enable.partition.eof": True})
@@ -200,7 +201,9 @@ def test_decoder_on_raw_broker_records(kafka_bootstrap: str, data_topic: str) ->
         if message is None:
             continue
         if message.error():
-            at_end.add(message.partition())
+            partition = message.partition()
+            assert partition is not None
+            at_end.add(partition)
             continue
         record = decode_record(message.key(), message.value())
         if isinstance(record, OffsetCommit) and record.key.group == group:

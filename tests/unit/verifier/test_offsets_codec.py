@@ -137,7 +137,7 @@ def test_error_carries_the_offending_bytes() -> None:
 @st.composite
 def any_value(draw: st.DrawFn) -> OffsetCommitValue:
     version = draw(st.integers(0, 4))
-    tags = ()
+    tags: tuple[tuple[int, bytes], ...] = ()
     if version == 4:
         tag_ids = sorted(draw(st.sets(st.integers(0, 2**32 - 1), max_size=3)))
         tags = tuple((t, draw(st.binary(max_size=20))) for t in tag_ids)

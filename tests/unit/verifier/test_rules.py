@@ -26,7 +26,7 @@ def commit(metadata: Metadata | str, offset: int | None = None, ts: int = 0,
 
 def kinds(*commits: Commit, high_watermark: int | None = None) -> list[AnomalyKind]:
     verifier = Verifier(None if high_watermark is None else lambda t, p, c: high_watermark)
-    found = []
+    found: list[AnomalyKind] = []
     for c in commits:
         found.extend(a.kind for a in verifier.observe(c))
     return found
