@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from aggregator.core.metadata import PREFIX, Metadata, decode
-from aggregator.core.model import Batch, Block, Committed
+from aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
 from aggregator.core.protocol import Plan, run_batch
 
 Message = tuple[int, int, int]
@@ -124,7 +124,7 @@ class Crasher:
     just before it is applied (``after=False``), or just after, as when the broker's
     or ClickHouse's acknowledgement is lost on the way back (``after=True``)."""
 
-    def __init__(self, store: MemoryMetadataStore, sink: DedupSink, at: int, after: bool) -> None:
+    def __init__(self, store: MetadataStore, sink: BlockSink, at: int, after: bool) -> None:
         self.store = store
         self.sink = sink
         self.at = at
@@ -152,7 +152,7 @@ class Crasher:
 
 
 def run_crashing(
-    plan: Plan, store: MemoryMetadataStore, sink: DedupSink, at: int | None, after: bool = False
+    plan: Plan, store: MetadataStore, sink: BlockSink, at: int | None, after: bool = False
 ) -> bool:
     """Run ``plan``, crashing at operation ``at`` if given; True if it completed."""
     if at is None:

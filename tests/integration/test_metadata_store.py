@@ -1,0 +1,83 @@
+"""The Kafka MetadataStore against the real broker: commits carry our metadata and read
+back unchanged, a fresh group has no commit, oversized metadata is refused naming
+offset.metadata.max.bytes, and a whole batch runs through the protocol, crashing after
+its intent and retried, with the real consumer group as the metadata store."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from aggregator.core.metadata import BlockRange, Metadata, decode, encode
+from aggregator.core.model import Thresholds
+from aggregator.core.protocol import plan_batch, process_batch
+from aggregator.kafka.exceptions import OffsetMetadataTooLarge
+from aggregator.kafka.metadata_store import KafkaMetadataStore
+from tests.unit.core.fakes import DedupSink, expected_rows, make_batch, run_crashing
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def store(kafka_bootstrap: str) -> Iterator[KafkaMetadataStore]:
+    group = f"blockagg-test-{uuid.uuid4().hex[:10]}"
+    with KafkaMetadataStore(
+        {"bootstrap.servers": kafka_bootstrap, "group.id": group}, timeout=15.0
+    ) as metadata_store:
+        yield metadata_store
+
+
+def test_fresh_group_has_no_commit(store: KafkaMetadataStore,
+                                   new_topic: Callable[..., str]) -> None:
+    assert store.committed(new_topic(prefix="ms"), 0) is None
+
+
+def test_commit_round_trips_offset_and_metadata(store: KafkaMetadataStore,
+                                                new_topic: Callable[..., str]) -> None:
+    topic = new_topic(partitions=2, prefix="ms")
+    metadata = Metadata(7, 3, 100, 200, 120, (BlockRange(1, 120, 150), BlockRange(9, 130, 199)))
+    store.commit(topic, 1, 120, encode(metadata))
+    committed = store.committed(topic, 1)
+    assert committed is not None and committed.offset == 120
+    assert decode(committed.metadata) == metadata
+    assert store.committed(topic, 0) is None
+
+
+def test_metadata_over_the_broker_limit_is_refused_naming_the_setting(
+    store: KafkaMetadataStore, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(prefix="ms")
+    with pytest.raises(OffsetMetadataTooLarge, match=r"offset\.metadata\.max\.bytes"):
+        store.commit(topic, 0, 1, "x" * 5000)
+
+
+def test_500_table_metadata_is_accepted_by_the_broker(
+    store: KafkaMetadataStore, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(prefix="ms")
+    start, end = 1_000_000, 1_100_000
+    blocks = tuple(BlockRange(t, start + 100 * t, end - 1 - 30 * t) for t in range(1, 501))
+    text = encode(Metadata(1, 1, start, end, start + 100, blocks))
+    store.commit(topic, 0, start + 100, text)
+    committed = store.committed(topic, 0)
+    assert committed is not None and committed.metadata == text
+
+
+def test_batch_crashed_after_its_intent_is_retried_exactly_once(
+    store: KafkaMetadataStore, new_topic: Callable[..., str]
+) -> None:
+    topic = new_topic(prefix="ms")
+    messages = [(o, 1 + o % 4, 1 + o % 3) for o in range(200) if o % 17]
+    batch = make_batch(messages, 0, 200, topic=topic)
+    thresholds = Thresholds(max_rows=40, max_bytes=10**6)
+    sink = DedupSink()
+    plan = plan_batch(batch, store.committed(topic, 0), thresholds, run=1, batch_id=0)
+    assert not run_crashing(plan, store, sink, at=2, after=True)
+    report = process_batch(batch, store, sink, thresholds, run=2, batch_id=0)
+    assert report.replayed_blocks > 0
+    assert sink.rows == expected_rows(messages)
+    committed = store.committed(topic, 0)
+    assert committed is not None and committed.offset == 200
+    assert decode(committed.metadata).is_final
