@@ -870,10 +870,12 @@ def install_kafka(cfg: StackConfig) -> None:
 
 def install_spark_jars(cfg: StackConfig) -> None:
     if cfg.spark_version is None:
-        raise StackError(
-            "pyspark is not installed: pip install -e '.[dev]' first "
-            "(or set BLOCKAGG_SPARK_VERSION)"
+        log(
+            "pyspark is not installed for this python, so no Spark connector jars yet: "
+            "pip install -e '.[dev]' then run `scripts/stack install` (or set "
+            "BLOCKAGG_SPARK_VERSION)"
         )
+        return
     out = cfg.spark_jars_dir
     if (out / "COMPLETE").exists():
         return
