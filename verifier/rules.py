@@ -16,9 +16,10 @@ committed right before it, M (``M.t`` is table ``t``'s block in M):
     ``[M.resume, M'.start)`` were never confirmed delivered and will not be read again;
     or a block of M reaching ``M'.resume`` (``last >= M'.resume``) has no block of its
     table in M': its messages at or above ``M'.resume`` are neither delivered nor
-    tracked. Both rules compare batch boundaries, resume offsets and block listings,
-    never message counts, so offset holes (transaction markers, aborted records), which
-    lie inside batch ranges, never raise them.
+    tracked; or (on M' alone) a block of M' starts below ``M'.resume``, so a restart
+    cannot rebuild it. These rules compare batch boundaries, resume offsets and block
+    listings, never message counts, so offset holes (transaction markers, aborted
+    records), which lie inside batch ranges, never raise them.
 
 and each commit on its own for:
 
@@ -214,6 +215,25 @@ def check_start(resume: int, current: Metadata) -> list[Finding]:
     )]
 
 
+def check_blocks(metadata: Metadata) -> list[Finding]:
+    """Invariant 5 of ``docs/metadata.md``: every listed block starts at or after resume.
+
+    A block starting below the resume offset cannot be rebuilt by a consumer resuming
+    there; if it was not inserted, its messages below resume are lost (a gap).
+    """
+    return [
+        Finding(
+            AnomalyKind.GAP,
+            f"table {b.table_id}: block [{b.first}, {b.last}] starts below the resume "
+            f"offset {metadata.resume}: a restart cannot rebuild it, so its offsets "
+            f"[{b.first}, {metadata.resume}) are lost unless it was inserted",
+            b.table_id,
+        )
+        for b in metadata.blocks
+        if b.first < metadata.resume
+    ]
+
+
 def check_offset(offset: int, metadata: Metadata) -> list[Finding]:
     """The offset-mismatch finding: the committed offset must equal ``metadata.resume``."""
     if offset == metadata.resume:
@@ -298,6 +318,7 @@ class Verifier:
                 findings.append(Finding(AnomalyKind.UNDECODABLE, str(exc)))
         if current is not None:
             findings.extend(check_offset(commit.offset, current))
+            findings.extend(check_blocks(current))
             if previous is not None:
                 findings.extend(check_pair(previous, current))
             elif last is not None:

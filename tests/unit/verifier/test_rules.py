@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from aggregator.core.metadata import BlockRange, Metadata, encode
 from verifier.rules import AnomalyKind, Commit, Verifier
 
@@ -35,7 +41,7 @@ def kinds(*commits: Commit, high_watermark: int | None = None) -> list[AnomalyKi
 # A clean batch [100, 200) of two tables, then the next batch: what the protocol writes.
 CLEAN = [
     md(100, 200, 100, B(1, 100, 150), B(2, 105, 160)),
-    md(100, 200, 151, B(1, 151, 199), B(2, 105, 160)),
+    md(100, 200, 105, B(1, 151, 199), B(2, 105, 160)),
     md(100, 200, 200),
     md(200, 300, 200, B(1, 200, 299), B(2, 201, 290), batch=1),
     md(200, 300, 300, batch=1),
@@ -96,8 +102,13 @@ def test_gap_forgotten_block() -> None:
     intent = md(100, 200, 100, B(1, 100, 150), B(2, 120, 180))
     forgot = md(100, 200, 160, B(1, 160, 199))
     assert kinds(commit(intent), commit(forgot)) == [AnomalyKind.GAP]
-    kept = md(100, 200, 160, B(1, 160, 199), B(2, 120, 180))
+    kept = md(100, 200, 120, B(1, 160, 199), B(2, 120, 180))
     assert kinds(commit(intent), commit(kept)) == []
+
+
+def test_gap_block_starting_below_resume() -> None:
+    assert kinds(commit(md(100, 200, 151, B(1, 140, 199)))) == [AnomalyKind.GAP]
+    assert kinds(commit(md(100, 200, 151, B(1, 151, 199)))) == []
 
 
 def test_offset_holes_inside_batches_never_raise_gap() -> None:
@@ -166,3 +177,31 @@ def test_partitions_are_independent_and_anomaly_carries_both_instances() -> None
     assert as_dict["previous"]["resume"] == 200
     assert verifier.commits_checked == 3
     assert verifier.partitions == 2
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[Metadata]:
+    history = []
+    for _ in range(draw(st.integers(1, 6))):
+        start = draw(st.integers(0, 40))
+        end = start + draw(st.integers(1, 40))
+        resume = draw(st.integers(start, end))
+        blocks = []
+        for table in draw(st.sets(st.integers(0, 3), max_size=3)):
+            if resume >= end:
+                break
+            first = draw(st.integers(start, end - 1))
+            last = draw(st.integers(max(first, resume), end - 1))
+            blocks.append(B(table, first, last))
+        history.append(md(start, end, resume, *blocks))
+    return history
+
+
+@settings(max_examples=1500, derandomize=True, deadline=None)
+@given(histories())
+def test_agrees_with_the_protocol_tests_oracle(history: list[Metadata]) -> None:
+    """Same verdicts, kind by kind, as the oracle the aggregator's protocol tests use."""
+    oracle = pytest.importorskip("tests.unit.core.history")
+    names = {"Backward": "backward", "Overlap": "overlap", "Gap": "gap", "Invariant5": "gap"}
+    expected = Counter(names[text.split(" ", 1)[0]] for text in oracle.anomalies(history))
+    assert Counter(k.value for k in kinds(*(commit(m) for m in history))) == expected
