@@ -25,8 +25,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from aggregator.core.exceptions import ReplayBlockMissing
 from aggregator.core.metadata import BlockRange
@@ -101,6 +103,24 @@ def _sort_key_dtype(table_ids: Int64Array) -> type[np.uint8] | type[np.uint16] |
     return None
 
 
+def _segments(
+    keys: npt.NDArray[np.integer[Any]], table_ids: Int64Array, order: Int64Array, small: bool
+) -> list[tuple[int, int, int]]:
+    """``(table_id, a, b)``: the table's messages are ``order[a:b]``, in offset order."""
+    if small:
+        counts = np.bincount(keys)
+        present = np.flatnonzero(counts)
+        ends = np.cumsum(counts[present])
+        return [
+            (int(t), int(e - c), int(e))
+            for t, c, e in zip(present, counts[present], ends, strict=True)
+        ]
+    sorted_tables = table_ids[order]
+    starts = np.flatnonzero(sorted_tables[1:] != sorted_tables[:-1]) + 1
+    bounds = [0, *starts.tolist(), int(order.shape[0])] if order.shape[0] else [0]
+    return [(int(sorted_tables[a]), a, b) for a, b in pairwise(bounds)]
+
+
 def form_blocks(
     batch: Batch,
     resume: int,
@@ -118,34 +138,32 @@ def form_blocks(
     lo = int(np.searchsorted(offsets, resume, side="left"))
     table_ids = batch.table_ids[lo:]
     narrow = _sort_key_dtype(table_ids)
-    keys = table_ids.astype(narrow) if narrow is not None else table_ids
+    keys: npt.NDArray[np.integer[Any]] = (
+        table_ids.astype(narrow) if narrow is not None else table_ids
+    )
     order: Int64Array = np.argsort(keys, kind="stable").astype(np.int64, copy=False)
     order += lo
-    sorted_tables = batch.table_ids[order]
-    sorted_offsets = offsets[order]
     cum_rows = np.cumsum(batch.row_counts[order])
     cum_bytes = np.cumsum(batch.sizes[order])
-    starts = np.flatnonzero(sorted_tables[1:] != sorted_tables[:-1]) + 1
-    bounds = [0, *starts.tolist(), int(order.shape[0])] if order.shape[0] else [0]
+    segments = _segments(keys, batch.table_ids, order, narrow is not None)
 
     found: list[tuple[int, int, Block]] = []
     delivered = lo
     replay_seen: set[int] = set()
     max_rows = thresholds.max_rows
     max_bytes = thresholds.max_bytes
-    for a, b in pairwise(bounds):
-        table_id = int(sorted_tables[a])
+    for table_id, a, b in segments:
         i = a
         block_range = replay.get(table_id)
         if block_range is not None:
             replay_seen.add(table_id)
-            segment = sorted_offsets[a:b]
+            segment = offsets[order[a:b]]
             i_first = a + int(np.searchsorted(segment, block_range.first, side="left"))
             i_end = a + int(np.searchsorted(segment, block_range.last, side="right"))
             if (
                 i_first >= i_end
-                or int(sorted_offsets[i_first]) != block_range.first
-                or int(sorted_offsets[i_end - 1]) != block_range.last
+                or int(segment[i_first - a]) != block_range.first
+                or int(segment[i_end - 1 - a]) != block_range.last
             ):
                 raise _missing(batch, block_range, _table_name(batch, table_id))
             delivered += i_first - a
