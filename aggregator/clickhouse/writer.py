@@ -1,0 +1,374 @@
+"""The ClickHouse :class:`~aggregator.core.model.BlockSink`: one native-protocol,
+columnar insert per block, retried identically until acknowledged.
+
+Invariants:
+
+* A block is inserted whole, with its rows in position order, in one ``INSERT``;
+  a retry sends the very same rows (and the same ``insert_deduplication_token`` on
+  servers that have it, 22.x+), on the same or another replica of the shard. So a
+  block the server already has is dropped by block deduplication, and a block is
+  never split or reordered.
+* ``insert`` returns only once the server acknowledged the insert with the
+  configured ``insert_quorum``. Connection errors and retriable server errors
+  (:data:`RETRIABLE_CODES`) are retried with exponential backoff; any other error
+  stops with the server's code and message (:class:`InsertFailed`).
+* :meth:`ClickHouseBlockWriter.check_tables` refuses tables that would not drop a
+  retried block, naming the table and the setting to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+from aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_COLUMNS
+from aggregator.clickhouse.deadletters import DeadLetter
+from aggregator.clickhouse.exceptions import (
+    ClickHouseError,
+    DedupNotConfigured,
+    InsertFailed,
+    TableNotFound,
+)
+from aggregator.clickhouse.rows import COORDINATE_COLUMNS, Column, Rows
+from aggregator.core.metadata import DEAD_LETTER_TABLE_ID
+from aggregator.core.model import Batch, Block
+
+log = logging.getLogger(__name__)
+
+RETRIABLE_CODES: Final = frozenset({
+    3,    # UNEXPECTED_END_OF_FILE
+    32,   # ATTEMPT_TO_READ_AFTER_EOF
+    159,  # TIMEOUT_EXCEEDED
+    164,  # READONLY (replica lost its ZooKeeper session)
+    202,  # TOO_MANY_SIMULTANEOUS_QUERIES
+    203,  # NO_FREE_CONNECTION
+    209,  # SOCKET_TIMEOUT
+    210,  # NETWORK_ERROR
+    225,  # NO_ZOOKEEPER
+    236,  # ABORTED
+    241,  # MEMORY_LIMIT_EXCEEDED
+    242,  # TABLE_IS_READ_ONLY
+    252,  # TOO_MANY_PARTS
+    279,  # ALL_CONNECTION_TRIES_FAILED
+    285,  # TOO_FEW_LIVE_REPLICAS
+    286,  # UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE
+    319,  # UNKNOWN_STATUS_OF_INSERT
+    373,  # SESSION_IS_LOCKED
+    394,  # QUERY_WAS_CANCELLED
+    425,  # SYSTEM_ERROR
+    999,  # KEEPER_EXCEPTION
+    1000,  # POCO_EXCEPTION
+})
+"""Server error codes after which the identical block is retried. Everything else
+(syntax, unknown column, type mismatch, readonly user…) will fail again: stop."""
+
+TOKEN_MIN_VERSION: Final = (22, 2)
+"""First server version with ``insert_deduplication_token``."""
+
+
+class Client(Protocol):
+    """The part of ``clickhouse_driver.Client`` the writer uses."""
+
+    def execute(self, query: str, params: Any = None, *, columnar: bool = False,
+                settings: dict[str, Any] | None = None, **kwargs: Any) -> Any: ...
+
+    def disconnect(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Replica:
+    host: str
+    port: int = 9000
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """Where and how to insert. ``replicas`` are the replicas of *one* shard (the
+    shard this topic feeds); ``insert_quorum`` 0 means the server's default."""
+
+    replicas: tuple[Replica, ...]
+    user: str = "default"
+    password: str = ""
+    insert_quorum: int = 0
+    insert_quorum_timeout_ms: int | None = None
+    max_attempts: int = 12
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 15.0
+    connect_timeout_s: float = 10.0
+    send_receive_timeout_s: float = 300.0
+    dead_letter_table: str = "blockagg.dead_letters"
+    extra_settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            from aggregator.exceptions import ConfigError
+
+            raise ConfigError("need at least one ClickHouse replica (host:port) for the shard")
+
+
+def default_client_factory(config: WriterConfig) -> Callable[[Replica], Client]:
+    from clickhouse_driver import Client as DriverClient
+
+    def make(replica: Replica) -> Client:
+        client: Client = DriverClient(
+            replica.host, port=replica.port, user=config.user, password=config.password,
+            connect_timeout=config.connect_timeout_s,
+            send_receive_timeout=config.send_receive_timeout_s)
+        return client
+    return make
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+@dataclass
+class TableInfo:
+    """What the writer learned about a table at startup."""
+
+    table: str
+    columns: tuple[Column, ...]
+    engine: str
+    coordinates: bool
+
+
+class ClickHouseBlockWriter:
+    """Implements :class:`aggregator.core.model.BlockSink` for one shard."""
+
+    def __init__(self, config: WriterConfig,
+                 client_factory: Callable[[Replica], Client] | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.config = config
+        self._factory = client_factory or default_client_factory(config)
+        self._clients: dict[Replica, Client] = {}
+        self._sleep = sleep
+        self._preferred = 0
+        self._server_version: tuple[int, ...] | None = None
+
+    def _client(self, replica: Replica) -> Client:
+        client = self._clients.get(replica)
+        if client is None:
+            client = self._clients[replica] = self._factory(replica)
+        return client
+
+    def _drop(self, replica: Replica) -> None:
+        client = self._clients.pop(replica, None)
+        if client is not None:
+            try:
+                client.disconnect()
+            except Exception:
+                log.debug("disconnect from %s failed", replica, exc_info=True)
+
+    def close(self) -> None:
+        for replica in list(self._clients):
+            self._drop(replica)
+
+    def query(self, sql: str, params: Any = None) -> Any:
+        """Run a read-only query on the first replica that answers."""
+        return self._with_retries("(query)", lambda c: c.execute(sql, params))
+
+    @property
+    def server_version(self) -> tuple[int, ...]:
+        if self._server_version is None:
+            rows = self.query("SELECT version()")
+            self._server_version = parse_version(str(rows[0][0]))
+        return self._server_version
+
+    @property
+    def supports_token(self) -> bool:
+        return self.server_version >= TOKEN_MIN_VERSION
+
+    def describe(self, table: str) -> TableInfo:
+        database, name = table.split(".", 1)
+        rows = self.query(
+            "SELECT name, type, default_kind FROM system.columns "
+            "WHERE database = %(db)s AND table = %(t)s", {"db": database, "t": name})
+        if not rows:
+            raise TableNotFound(f"table {table} does not exist (or has no columns) on "
+                                f"{self.config.replicas[self._preferred].host}")
+        columns = tuple(Column(str(n), str(t), str(k)) for n, t, k in rows)
+        engine = self.query(
+            "SELECT engine FROM system.tables WHERE database = %(db)s AND name = %(t)s",
+            {"db": database, "t": name})
+        names = {c.name for c in columns}
+        return TableInfo(table, columns, str(engine[0][0]) if engine else "",
+                         all(c in names for c in COORDINATE_COLUMNS))
+
+    def check_tables(self, tables: Sequence[str], writers: int = 1) -> list[str]:
+        """Refuse tables that won't deduplicate; return warnings.
+
+        Raises :class:`DedupNotConfigured` when a table is not ``Replicated*`` and
+        has no ``non_replicated_deduplication_window`` > 0, or when the user's
+        profile sets ``insert_deduplicate = 0``. Warns when a table lacks the
+        Kafka-coordinate columns (a new block equal to a recent one would be
+        dropped by content-hash deduplication) and when the deduplication window
+        is smaller than ``writers`` (partitions writing to the table) x 2.
+        """
+        warnings: list[str] = []
+        profile = self.query("SELECT value FROM system.settings "
+                             "WHERE name = 'insert_deduplicate'")
+        if profile and str(profile[0][0]) == "0":
+            raise DedupNotConfigured(
+                f"user {self.config.user!r} has insert_deduplicate = 0 in its profile; set "
+                "insert_deduplicate = 1 in the user's profile (users.xml) so a retried "
+                "block is dropped")
+        for table in tables:
+            info = self.describe(table)
+            create = str(self.query(f"SHOW CREATE TABLE {table}")[0][0])
+            window = _setting_in_create(create, "replicated_deduplication_window")
+            if info.engine.startswith("Replicated"):
+                if window is None:
+                    window = self._merge_tree_setting("replicated_deduplication_window", 100)
+                if window == 0:
+                    raise DedupNotConfigured(
+                        f"table {table} has replicated_deduplication_window = 0; set it to "
+                        "at least 100 (ALTER TABLE ... MODIFY SETTING or the table's "
+                        "SETTINGS) so retried blocks are deduplicated")
+            elif info.engine.endswith("MergeTree"):
+                window = _setting_in_create(create, "non_replicated_deduplication_window")
+                if window is None:
+                    window = self._merge_tree_setting("non_replicated_deduplication_window", 0)
+                if not window:
+                    raise DedupNotConfigured(
+                        f"table {table} uses {info.engine}, which does not deduplicate "
+                        f"inserts; use Replicated{info.engine} or set "
+                        "non_replicated_deduplication_window = 1000 in its SETTINGS "
+                        "(ClickHouse 21.2+)")
+            else:
+                raise DedupNotConfigured(
+                    f"table {table} uses engine {info.engine or '(none)'}, which does not "
+                    "deduplicate inserts; insert into the shard's ReplicatedMergeTree table "
+                    "(not a Distributed, Buffer or view)")
+            if window is not None and window < 2 * writers:
+                warnings.append(
+                    f"table {table}: deduplication window {window} is small for {writers} "
+                    "writers; raise replicated_deduplication_window (or "
+                    "non_replicated_deduplication_window) so a retry still finds its block")
+            if not info.coordinates and table != self.config.dead_letter_table:
+                missing = ", ".join(c for c in COORDINATE_COLUMNS
+                                    if c not in {col.name for col in info.columns})
+                hint = ("" if self.supports_token else
+                        " (this server has no insert_deduplication_token)")
+                warnings.append(
+                    f"table {table} has no {missing} column(s): a new block whose rows equal "
+                    "a recent block's would be dropped by content-hash deduplication"
+                    f"{hint}; add _topic String, _partition UInt32, _offset UInt64")
+        for w in warnings:
+            log.warning("%s", w)
+        return warnings
+
+    def _merge_tree_setting(self, name: str, default: int) -> int | None:
+        try:
+            rows = self.query("SELECT value FROM system.merge_tree_settings "
+                              "WHERE name = %(n)s", {"n": name})
+        except InsertFailed:
+            return default
+        return int(rows[0][0]) if rows else None
+
+    def settings_for(self, block: Block) -> dict[str, Any]:
+        settings: dict[str, Any] = {"insert_deduplicate": 1, **self.config.extra_settings}
+        if self.config.insert_quorum:
+            settings["insert_quorum"] = self.config.insert_quorum
+            if self.config.insert_quorum_timeout_ms is not None:
+                settings["insert_quorum_timeout"] = self.config.insert_quorum_timeout_ms
+        if self.supports_token:
+            settings["insert_deduplication_token"] = block.token
+        return settings
+
+    def block_columns(self, block: Block, batch: Batch) -> tuple[tuple[str, ...], list[list[Any]]]:
+        """The block's column names and columnar values, rows in position order.
+
+        Pure: the same block over the same batch always gives the same values."""
+        payloads = [batch.payloads[int(p)] for p in block.positions]
+        if block.table_id == DEAD_LETTER_TABLE_ID:
+            rows = []
+            for payload in payloads:
+                if not isinstance(payload, DeadLetter):
+                    raise ClickHouseError(
+                        f"block of the dead-letter table holds a {type(payload).__name__} "
+                        "payload; the task must pass a DeadLetter (make_dead_letter)")
+                rows.append(payload.row())
+            return DEAD_LETTER_COLUMNS, [list(col) for col in zip(*rows, strict=True)]
+        plan = None
+        for payload in payloads:
+            if not isinstance(payload, Rows):
+                raise ClickHouseError(
+                    f"block of {block.table} holds a {type(payload).__name__} payload; "
+                    "expected aggregator.clickhouse.rows.Rows")
+            plan = payload.columns.plan if plan is None else plan
+        assert plan is not None
+        values: list[list[Any]] = []
+        for j, name in enumerate(plan.columns):
+            col: list[Any] = []
+            if plan.fields[j] is None and name in COORDINATE_COLUMNS:
+                for payload, pos in zip(payloads, block.positions.tolist(), strict=True):
+                    assert isinstance(payload, Rows)
+                    value = (block.topic if name == "_topic" else block.partition
+                             if name == "_partition" else int(batch.offsets[pos]))
+                    col.extend([value] * payload.count)
+            else:
+                for payload in payloads:
+                    assert isinstance(payload, Rows)
+                    if payload.columns.plan.columns != plan.columns:
+                        raise ClickHouseError(
+                            f"block of {block.table} mixes schema versions with different "
+                            "columns; the task must decode all versions to the table's plan")
+                    col.extend(payload.columns.values[j][payload.start:payload.stop])
+            values.append(col)
+        return plan.columns, values
+
+    def insert(self, block: Block, batch: Batch) -> None:
+        """Insert ``block`` (all its rows, in one insert); return once acknowledged."""
+        table = (self.config.dead_letter_table if block.table_id == DEAD_LETTER_TABLE_ID
+                 else block.table)
+        names, values = self.block_columns(block, batch)
+        if not values or not values[0]:
+            return
+        quoted = ", ".join(f"`{n}`" for n in names)
+        sql = f"INSERT INTO {table} ({quoted}) VALUES"
+        settings = self.settings_for(block)
+        self._with_retries(table, lambda c: c.execute(sql, values, columnar=True,
+                                                       settings=settings))
+
+    def _with_retries(self, what: str, action: Callable[[Client], Any]) -> Any:
+        from clickhouse_driver import errors as ch_errors
+
+        replicas = self.config.replicas
+        delay = self.config.backoff_initial_s
+        last_code: int | None = None
+        last_message = ""
+        for attempt in range(1, self.config.max_attempts + 1):
+            replica = replicas[self._preferred % len(replicas)]
+            try:
+                return action(self._client(replica))
+            except ch_errors.ServerException as exc:
+                last_code, last_message = int(exc.code), str(exc.message)
+                if last_code not in RETRIABLE_CODES:
+                    raise InsertFailed(what, last_code, last_message, attempt) from exc
+            except (ch_errors.NetworkError, ch_errors.SocketTimeoutError, EOFError,
+                    OSError, ch_errors.UnexpectedPacketFromServerError) as exc:
+                last_code, last_message = None, f"{type(exc).__name__}: {exc}"
+            except ch_errors.Error as exc:
+                code = getattr(exc, "code", None)
+                last_code, last_message = code, str(exc)
+                if code not in RETRIABLE_CODES:
+                    raise InsertFailed(what, code, last_message, attempt) from exc
+            log.warning("%s on %s:%d failed (attempt %d/%d): %s; retrying the identical "
+                        "block", what, replica.host, replica.port, attempt,
+                        self.config.max_attempts, last_message)
+            self._drop(replica)
+            self._preferred += 1
+            if attempt < self.config.max_attempts:
+                self._sleep(min(delay, self.config.backoff_max_s) * random.uniform(0.8, 1.2))
+                delay *= 2
+        raise InsertFailed(what, last_code, last_message, self.config.max_attempts)
+
+
+def _setting_in_create(create: str, name: str) -> int | None:
+    m = re.search(rf"\b{name}\s*=\s*(\d+)", create)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,105 @@
+"""Modern-server semantics in-process with chdb (ClickHouse 26): the writer's own
+inserts, through a small driver-shaped adapter, against a MergeTree table with
+``non_replicated_deduplication_window``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+from google.protobuf.descriptor import Descriptor
+
+from aggregator.clickhouse.exceptions import DedupNotConfigured
+from aggregator.clickhouse.rows import Column, decode_messages, make_plan
+from aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+from aggregator.core.model import Batch, Block, block_token
+from proto.descriptors import message_class
+
+chdb = pytest.importorskip("chdb")
+
+
+def _literal(v: Any) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, bytes):
+        return "unhex('" + v.hex() + "')"
+    if isinstance(v, str):
+        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    if isinstance(v, list):
+        return "[" + ", ".join(_literal(x) for x in v) + "]"
+    return str(v)
+
+
+class ChdbClient:
+    """Just enough of clickhouse_driver.Client over a chdb session."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+
+    def execute(self, query: str, params: Any = None, *, columnar: bool = False,
+                settings: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        if params and not query.startswith("INSERT"):
+            query = re.sub(r"%\((\w+)\)s", lambda m: _literal(params[m.group(1)]), query)
+        if query.startswith("INSERT"):
+            rows = list(zip(*params, strict=True))
+            sets = ", ".join(f"{k} = {_literal(v)}" for k, v in (settings or {}).items())
+            body = ", ".join("(" + ", ".join(_literal(v) for v in row) + ")" for row in rows)
+            self.session.query(f"{query[:-len('VALUES')]} SETTINGS {sets} VALUES {body}")
+            return None
+        out = self.session.query(query, "TabSeparated")
+        text = out.bytes().decode() if hasattr(out, "bytes") else str(out)
+        return [tuple(line.split("\t")) for line in text.splitlines() if line]
+
+    def disconnect(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def chdb_session() -> Any:
+    from chdb import session
+
+    s = session.Session()
+    s.query("CREATE DATABASE IF NOT EXISTS db")
+    yield s
+    s.close()
+
+
+def writer_for(s: Any) -> ClickHouseBlockWriter:
+    return ClickHouseBlockWriter(WriterConfig(replicas=(Replica("chdb"),)),
+                                 lambda r: ChdbClient(s), sleep=lambda x: None)
+
+
+def test_token_semantics(chdb_session: Any, sample: Descriptor) -> None:
+    s = chdb_session
+    s.query("DROP TABLE IF EXISTS db.tok")
+    s.query("CREATE TABLE db.tok (i64 Int64, text String) ENGINE = MergeTree ORDER BY i64 "
+            "SETTINGS non_replicated_deduplication_window = 100")
+    writer = writer_for(s)
+    assert writer.supports_token
+    assert writer.check_tables(["db.tok"])
+    cls: Any = message_class(sample)
+    plan, problems = make_plan("db.tok", 1, 1, sample,
+                               [Column("i64", "Int64"), Column("text", "String")])
+    payloads = decode_messages(plan, [[cls(i64=1, text="x").SerializeToString()]] * 2)
+    batch = Batch("top", 0, 0, 2, np.array([0, 1]), np.array([1, 1]), np.array([1, 1]),
+                  np.array([1, 1]), payloads, {1: "db.tok"})
+
+    def block(first: int) -> Block:
+        return Block("top", 0, 1, "db.tok", first, first, np.array([first]), 1, 1,
+                     block_token("top", 0, "db.tok", first, first))
+
+    writer.insert(block(0), batch)
+    writer.insert(block(0), batch)
+    assert s.query("SELECT count() FROM db.tok", "CSV").bytes().strip() == b"1"
+    writer.insert(block(1), batch)
+    assert s.query("SELECT count() FROM db.tok", "CSV").bytes().strip() == b"2"
+
+
+def test_check_refuses_plain_mergetree(chdb_session: Any) -> None:
+    s = chdb_session
+    s.query("DROP TABLE IF EXISTS db.plain")
+    s.query("CREATE TABLE db.plain (x Int64) ENGINE = MergeTree ORDER BY x")
+    with pytest.raises(DedupNotConfigured, match="non_replicated_deduplication_window"):
+        writer_for(s).check_tables(["db.plain"])

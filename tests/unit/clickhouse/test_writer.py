@@ -1,0 +1,175 @@
+"""The block writer against a fake driver: identical retries, failover, stop on
+non-retriable errors, coordinates, dead letters, and the startup dedup check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from clickhouse_driver import errors as ch_errors
+from google.protobuf.descriptor import Descriptor
+
+from aggregator.clickhouse.deadletters import make_dead_letter
+from aggregator.clickhouse.exceptions import DedupNotConfigured, InsertFailed
+from aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
+from aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+from aggregator.core.model import Batch, Block, block_token
+from proto.descriptors import message_class
+
+
+class FakeClient:
+    def __init__(self, replica: Replica, script: dict[str, list[Any]], log: list[Any],
+                 version: str = "18.16.1") -> None:
+        self.replica = replica
+        self.script = script
+        self.log = log
+        self.version = version
+
+    def execute(self, query: str, params: Any = None, *, columnar: bool = False,
+                settings: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        if query == "SELECT version()":
+            return [(self.version,)]
+        if query.startswith("INSERT"):
+            self.log.append((self.replica.host, query, params, settings))
+            outcomes = self.script.setdefault(self.replica.host, [])
+            if outcomes:
+                outcome = outcomes.pop(0)
+                if isinstance(outcome, Exception):
+                    raise outcome
+            return None
+        result = self.script.get(query, [])
+        return result(params) if callable(result) else result
+
+    def disconnect(self) -> None:
+        pass
+
+
+def make_writer(script: dict[str, Any], log: list[Any], version: str = "18.16.1",
+                **kw: Any) -> ClickHouseBlockWriter:
+    config = WriterConfig(replicas=(Replica("a"), Replica("b")), **kw)
+    return ClickHouseBlockWriter(
+        config, lambda r: FakeClient(r, script, log, version), sleep=lambda s: None)
+
+
+def sample_batch(sample: Descriptor) -> tuple[Batch, Block]:
+    cls: Any = message_class(sample)
+    columns = [Column("i64", "Int64"), Column("text", "String"),
+               Column("_topic", "String"), Column("_partition", "UInt32"),
+               Column("_offset", "UInt64")]
+    plan, _ = make_plan("db.t", 1, 1, sample, columns)
+    msgs = [[cls(i64=1, text="a").SerializeToString(), cls(i64=2).SerializeToString()],
+            [cls(i64=3, text="c").SerializeToString()]]
+    payloads = decode_messages(plan, msgs)
+    dead = make_dead_letter("top", 0, 12, 5000, b"\xff", "envelope does not decode")
+    batch = Batch("top", 0, 10, 13, np.array([10, 11, 12]), np.array([1, 1, 0]),
+                  np.array([2, 1, 1]), np.array([10, 5, 1]), [*payloads, dead],
+                  {1: "db.t", 0: "blockagg.dead_letters"})
+    block = Block("top", 0, 1, "db.t", 10, 11, np.array([0, 1]), 3, 15,
+                  block_token("top", 0, "db.t", 10, 11))
+    return batch, block
+
+
+def test_columns_and_coordinates(sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    assert all(isinstance(p, Rows) for p in batch.payloads[:2])
+    writer = make_writer({}, [])
+    names, values = writer.block_columns(block, batch)
+    assert names == ("i64", "text", "_topic", "_partition", "_offset")
+    assert values == [[1, 2, 3], ["a", "", "c"], ["top"] * 3, [0] * 3, [10, 10, 11]]
+
+
+def test_retry_is_identical_and_fails_over(sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    log: list[Any] = []
+    script: dict[str, Any] = {"a": [ch_errors.NetworkError("boom")],
+                              "b": [ch_errors.ServerException("zk", code=999)]}
+    make_writer(script, log, insert_quorum=2).insert(block, batch)
+    assert [host for host, *_ in log] == ["a", "b", "a"]
+    assert len({repr(entry[1:]) for entry in log}) == 1
+    assert log[0][3]["insert_quorum"] == 2
+    assert "insert_deduplication_token" not in log[0][3]
+
+
+def test_token_on_modern_server(sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    log: list[Any] = []
+    make_writer({}, log, version="24.8.1.1").insert(block, batch)
+    assert log[0][3]["insert_deduplication_token"] == block.token
+    assert log[0][3]["insert_deduplicate"] == 1
+
+
+def test_non_retriable_stops_with_code(sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    script: dict[str, Any] = {"a": [ch_errors.ServerException("No such column", code=16)]}
+    with pytest.raises(InsertFailed) as info:
+        make_writer(script, []).insert(block, batch)
+    assert info.value.code == 16 and "No such column" in str(info.value)
+
+
+def test_gives_up_after_max_attempts(sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    script: dict[str, Any] = {"a": [EOFError()] * 5, "b": [EOFError()] * 5}
+    with pytest.raises(InsertFailed) as info:
+        make_writer(script, [], max_attempts=4).insert(block, batch)
+    assert info.value.attempts == 4
+
+
+def test_dead_letter_block(sample: Descriptor) -> None:
+    batch, _ = sample_batch(sample)
+    block = Block("top", 0, 0, "blockagg.dead_letters", 12, 12, np.array([2]), 1, 1,
+                  block_token("top", 0, "blockagg.dead_letters", 12, 12))
+    log: list[Any] = []
+    make_writer({}, log).insert(block, batch)
+    _host, sql, values, _ = log[0]
+    assert sql.startswith("INSERT INTO blockagg.dead_letters")
+    assert values == [[""], ["top"], [0], [12], ["envelope does not decode"], [b"\xff"], [5]]
+
+
+def test_bad_rows_become_reasons(sample: Descriptor) -> None:
+    plan, problems = make_plan("db.t", 1, 1, sample, [Column("i32", "UInt8")])
+    cls: Any = message_class(sample)
+    out = decode_messages(plan, [[cls(i32=1).SerializeToString()],
+                                 [cls(i32=1).SerializeToString(),
+                                  cls(i32=999).SerializeToString()],
+                                 [b"\xff\xff"]])
+    assert isinstance(out[0], Rows)
+    assert isinstance(out[1], str) and "row 1" in out[1] and "999" in out[1]
+    assert isinstance(out[2], str) and "row 0" in out[2]
+    assert any("has no column" in p for p in problems)
+
+
+def _check_script(engine: str, create: str, profile: str = "1") -> dict[str, Any]:
+    return {
+        "SELECT value FROM system.settings WHERE name = 'insert_deduplicate'": [(profile,)],
+        "SELECT name, type, default_kind FROM system.columns WHERE database = %(db)s AND "
+        "table = %(t)s": [("x", "Int64", "")],
+        "SELECT engine FROM system.tables WHERE database = %(db)s AND name = %(t)s":
+            [(engine,)],
+        "SHOW CREATE TABLE db.t": [(create,)],
+        "SELECT value FROM system.merge_tree_settings WHERE name = %(n)s":
+            lambda p: [("100",)] if p["n"] == "replicated_deduplication_window" else [("0",)],
+    }
+
+
+def test_check_refuses_plain_mergetree() -> None:
+    writer = make_writer(_check_script("MergeTree", "CREATE TABLE db.t ... MergeTree"), [])
+    with pytest.raises(DedupNotConfigured, match=r"db\.t.*non_replicated_deduplication_window"):
+        writer.check_tables(["db.t"])
+
+
+def test_check_accepts_window_and_warns_about_coordinates() -> None:
+    script = _check_script(
+        "MergeTree", "CREATE TABLE db.t ... SETTINGS non_replicated_deduplication_window = 5")
+    warnings = make_writer(script, []).check_tables(["db.t"], writers=4)
+    assert any("_topic" in w for w in warnings)
+    assert any("window 5 is small" in w for w in warnings)
+
+
+def test_check_refuses_profile_and_distributed() -> None:
+    with pytest.raises(DedupNotConfigured, match="insert_deduplicate"):
+        make_writer(_check_script("ReplicatedMergeTree", "", profile="0"), []).check_tables(
+            ["db.t"])
+    with pytest.raises(DedupNotConfigured, match="Distributed"):
+        make_writer(_check_script("Distributed", ""), []).check_tables(["db.t"])
+    assert make_writer(_check_script("ReplicatedMergeTree", ""), []).check_tables(["db.t"])
