@@ -80,7 +80,7 @@ def test_token_semantics(chdb_session: Any, sample: Descriptor) -> None:
     assert writer.supports_token
     assert writer.check_tables(["db.tok"])
     cls: Any = message_class(sample)
-    plan, problems = make_plan("db.tok", 1, 1, sample,
+    plan, _problems = make_plan("db.tok", 1, 1, sample,
                                [Column("i64", "Int64"), Column("text", "String")])
     payloads = decode_messages(plan, [[cls(i64=1, text="x").SerializeToString()]] * 2)
     batch = Batch("top", 0, 0, 2, np.array([0, 1]), np.array([1, 1]), np.array([1, 1]),
