@@ -140,3 +140,42 @@ def test_any_fields_decode_or_raise_decode_error_only(header: list[int], packed:
         return
     with contextlib.suppress(MetadataDecodeError):
         decode(PREFIX + base64.b85encode(body).decode("ascii"))
+
+
+def reference_encode(metadata: Metadata) -> str:
+    """The layout of docs/metadata.md written the plain way (base64, a varint loop):
+    the column-wise codec must produce and accept exactly these strings."""
+    packed = bytearray()
+    previous = 0
+    for block in metadata.blocks:
+        for value in (block.table_id - previous, block.first - metadata.start,
+                      metadata.end - 1 - block.last):
+            while value >= 0x80:
+                packed.append((value & 0x7F) | 0x80)
+                value >>= 7
+            packed.append(value)
+        previous = block.table_id
+    body = msgpack.packb(
+        [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume,
+         bytes(packed)],
+        use_bin_type=True,
+    )
+    return PREFIX + base64.b85encode(body).decode("ascii")
+
+
+@settings(max_examples=300, derandomize=True)
+@given(metadatas())
+def test_wire_format_is_the_documented_layout(metadata: Metadata) -> None:
+    text = reference_encode(metadata)
+    assert encode(metadata, max_bytes=1 << 20) == text
+    assert decode(text) == metadata
+
+
+@settings(max_examples=300, derandomize=True)
+@given(st.binary(max_size=64))
+def test_base85_matches_the_standard_library(data: bytes) -> None:
+    from aggregator.core.metadata import _b85decode, _b85encode
+
+    text = base64.b85encode(data).decode("ascii")
+    assert _b85encode(data) == text
+    assert _b85decode(text) == data
