@@ -33,9 +33,11 @@ class Batch:
     inside ``[start, end)``): ``table_ids[i]`` is the table's stable id (0 is the
     dead-letter table), ``row_counts[i]`` the number of rows it carries and
     ``sizes[i]`` its encoded size in bytes. ``payloads[i]`` is opaque to the core
-    and handed to the sink. ``tables`` maps every table id present to its
-    ``database.table`` name. ``partition_end`` is the partition's log-end offset
-    when known; it lets the core notice metadata that is ahead of the partition.
+    and handed to the sink (``aggregator.clickhouse.prepare.prepare`` makes it: a
+    decoded ``Rows`` slice, or a ``DeadLetter`` for table id 0). ``tables`` maps
+    every table id present to its ``database.table`` name. ``partition_end`` is the
+    partition's log-end offset when known; it lets the core notice metadata that is
+    ahead of the partition.
     """
 
     topic: str
