@@ -24,9 +24,11 @@ committed right before it, M (``M.t`` is table ``t``'s block in M):
 and each commit on its own for:
 
 ``offset_mismatch``
-    The committed offset differs from the metadata's resume offset. Above it, a restart
-    from the group's offset skips ``[resume, offset)``; below it, it re-reads offsets
-    that are already delivered.
+    The committed offset differs from the metadata's resume offset (blockagg never
+    commits that: a tool moved the offset and kept the metadata). Above it, a restart
+    skips ``[resume, offset)``; below it, it re-reads delivered offsets. Like a reset,
+    it replaces M: the aggregator resumes from the committed offset without replay
+    (``docs/protocol.md``), so the next commit is checked against that offset only.
 ``undecodable``
     The metadata carries blockagg's prefix but does not decode; the commit is otherwise
     ignored (M stays the last good metadata).
@@ -317,13 +319,17 @@ class Verifier:
                 raw = commit.metadata
                 findings.append(Finding(AnomalyKind.UNDECODABLE, str(exc)))
         if current is not None:
-            findings.extend(check_offset(commit.offset, current))
+            mismatch = check_offset(commit.offset, current)
+            findings.extend(mismatch)
             findings.extend(check_blocks(current))
             if previous is not None:
                 findings.extend(check_pair(previous, current))
             elif last is not None:
                 findings.extend(check_start(last.resume, current))
-            self._last[key] = _Last(current, current.resume, commit.commit_timestamp)
+            if mismatch:
+                self._last[key] = _Last(None, commit.offset, commit.commit_timestamp)
+            else:
+                self._last[key] = _Last(current, current.resume, commit.commit_timestamp)
         if self._high_watermark is not None:
             claimed = commit.offset if current is None else max(commit.offset, current.end)
             end = self._high_watermark(commit.topic, commit.partition, claimed)

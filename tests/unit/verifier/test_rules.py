@@ -129,6 +129,14 @@ def test_offset_mismatch() -> None:
     assert kinds(commit(m, offset=150)) == []
 
 
+def test_offset_mismatch_resets_the_comparison_like_the_aggregator_does() -> None:
+    moved = md(100, 200, 150, B(1, 150, 199))
+    rebuilt = md(160, 300, 160, B(1, 160, 170), run=2)
+    assert kinds(commit(moved, offset=160), commit(rebuilt)) == [AnomalyKind.OFFSET_MISMATCH]
+    assert kinds(commit(moved, offset=160), commit(md(170, 300, 170, run=2))) == [
+        AnomalyKind.OFFSET_MISMATCH, AnomalyKind.GAP]
+
+
 def test_trailing_nul_is_not_an_anomaly() -> None:
     m = md(100, 200, 200)
     assert kinds(Commit("g", "t", 0, 200, encode(m) + "\x00", 0)) == []
