@@ -1,0 +1,212 @@
+"""The exactly-once check: what ClickHouse holds against what the producer delivered.
+
+Invariant 1 of the mission, checked from outside the job:
+
+* per table, on **every** replica (after ``SYSTEM SYNC REPLICA``):
+  ``count() == uniqExact(id)`` (no duplicate) and the set of ids equals the set the
+  producer's delivery reports acknowledged (no loss, nothing foreign);
+* dead letters: each deliberately bad message's ``(topic, partition, offset)`` is in
+  the dead-letter table exactly once, and nothing else is;
+* ``arv verify`` over the job's group is clean (invariant 5: the committed metadata
+  history has no Backward/Overlap/Gap);
+* ``arv audit`` is clean when this checkout has it (reported as ``None`` otherwise).
+
+:func:`caught_up` is the bounded wait before checking: every table's row count on
+every replica has reached what was produced (or the timeout passes, and the check
+then reports the loss).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tests.faults.workload import REPO_ROOT, Workload
+
+_ARV = "import sys; sys.argv[0] = 'arv'; from verifier.cli import main; main()"
+
+
+@dataclass
+class TableResult:
+    table: str
+    replica: int
+    expected: int
+    count: int
+    unique: int
+    missing: int
+    unexpected: int
+
+    @property
+    def duplicates(self) -> int:
+        return self.count - self.unique
+
+    @property
+    def ok(self) -> bool:
+        return self.duplicates == 0 and self.missing == 0 and self.unexpected == 0
+
+
+@dataclass
+class Report:
+    tables: list[TableResult] = field(default_factory=list)
+    dead_expected: int = 0
+    dead_stored: dict[int, int] = field(default_factory=dict)
+    dead_duplicates: dict[int, int] = field(default_factory=dict)
+    dead_missing: dict[int, int] = field(default_factory=dict)
+    verify_code: int | None = None
+    verify_output: str = ""
+    audit_code: int | None = None
+    audit_output: str = ""
+
+    @property
+    def rows_expected(self) -> int:
+        return sum(t.expected for t in self.tables if t.replica == 0)
+
+    @property
+    def rows_stored(self) -> int:
+        return sum(t.count for t in self.tables if t.replica == 0)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(t.duplicates for t in self.tables)
+
+    @property
+    def missing(self) -> int:
+        return sum(t.missing for t in self.tables)
+
+    @property
+    def ok(self) -> bool:
+        return (all(t.ok for t in self.tables)
+                and not any(self.dead_duplicates.values())
+                and not any(self.dead_missing.values())
+                and self.verify_code == 0
+                and self.audit_code in (None, 0))
+
+    def problems(self) -> list[str]:
+        out = [f"{t.table}@r{t.replica + 1}: expected {t.expected}, count {t.count}, "
+               f"unique {t.unique}, missing {t.missing}, unexpected {t.unexpected}"
+               for t in self.tables if not t.ok]
+        for replica, n in self.dead_duplicates.items():
+            if n:
+                out.append(f"dead letters @r{replica + 1}: {n} duplicated")
+        for replica, n in self.dead_missing.items():
+            if n:
+                out.append(f"dead letters @r{replica + 1}: {n} missing or foreign")
+        if self.verify_code != 0:
+            out.append(f"arv verify exit {self.verify_code}: {self.verify_output[-2000:]}")
+        if self.audit_code not in (None, 0):
+            out.append(f"arv audit exit {self.audit_code}: {self.audit_output[-2000:]}")
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        return {"rows_expected": self.rows_expected, "rows_stored": self.rows_stored,
+                "duplicates": self.duplicates, "missing": self.missing,
+                "dead_expected": self.dead_expected,
+                "dead_stored": self.dead_stored, "verify": self.verify_code,
+                "audit": self.audit_code, "ok": self.ok}
+
+
+def sync_replicas(clients: Sequence[Any], tables: Sequence[str], timeout: float = 120) -> None:
+    for client in clients:
+        for table in tables:
+            client.execute(f"SYSTEM SYNC REPLICA {table}",
+                           settings={"receive_timeout": int(timeout)})
+
+
+def _counts(client: Any, tables: Sequence[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for table in tables:
+        out[table] = int(client.execute(f"SELECT count() FROM {table}")[0][0])
+    return out
+
+
+def caught_up(workload: Workload, timeout: float, poll: float = 1.0) -> float | None:
+    """Seconds until every replica holds as many rows per table (and dead letters) as
+    were produced; ``None`` if the timeout passed first. Never raises on a replica
+    that is still restarting: it just polls again."""
+    started = time.monotonic()
+    want = {t: len(workload.produced.ids_of(t)) for t in workload.table_names()}
+    want[workload.dead_letter_table] = len(workload.produced.dead)
+    while time.monotonic() - started < timeout:
+        try:
+            clients = workload.clients()
+            done = all(_counts(c, list(want)) == want for c in clients)
+            for c in clients:
+                c.disconnect()
+            if done:
+                return time.monotonic() - started
+        except Exception:  # a replica restarting: poll again
+            pass
+        time.sleep(poll)
+    return None
+
+
+def check_tables(workload: Workload, clients: Sequence[Any]) -> list[TableResult]:
+    results = []
+    for replica, client in enumerate(clients):
+        for table in workload.table_names():
+            count, unique = client.execute(f"SELECT count(), uniqExact(id) FROM {table}")[0]
+            got = np.asarray(client.execute(f"SELECT id FROM {table}", columnar=True)[0]
+                             if count else [], dtype=np.uint64)
+            want = workload.produced.ids_of(table)
+            got_set = np.unique(got)
+            missing = int(np.setdiff1d(want, got_set, assume_unique=False).size)
+            unexpected = int(np.setdiff1d(got_set, want, assume_unique=False).size)
+            results.append(TableResult(table, replica, int(want.size), int(count), int(unique),
+                                       missing, unexpected))
+    return results
+
+
+def check_dead_letters(workload: Workload, clients: Sequence[Any], report: Report) -> None:
+    want = workload.produced.dead
+    report.dead_expected = len(want)
+    for replica, client in enumerate(clients):
+        rows = client.execute(
+            f"SELECT topic, partition, offset, count() FROM {workload.dead_letter_table} "
+            "GROUP BY topic, partition, offset")
+        stored = {(t, int(p), int(o)): int(n) for t, p, o, n in rows}
+        report.dead_stored[replica] = sum(stored.values())
+        report.dead_duplicates[replica] = sum(n - 1 for n in stored.values() if n > 1)
+        report.dead_missing[replica] = len(want.symmetric_difference(stored))
+
+
+def arv(args: Sequence[str], timeout: float = 300) -> tuple[int, str]:
+    """Run ``arv`` (the console entry point, from this checkout) and return its exit code
+    and output."""
+    res = subprocess.run([sys.executable, "-c", _ARV, *args], capture_output=True, text=True,
+                         timeout=timeout, check=False, cwd=REPO_ROOT)
+    return res.returncode, (res.stdout + res.stderr)
+
+
+def has_audit() -> bool:
+    code, out = arv(["audit", "--help"], timeout=60)
+    return code == 0 and "audit" in out.lower()
+
+
+def check(workload: Workload, audit_args: Sequence[str] | None = None) -> Report:
+    """The full check; call after :func:`caught_up`."""
+    report = Report()
+    clients = workload.clients()
+    try:
+        sync_replicas(clients, [*workload.table_names(), workload.dead_letter_table])
+        report.tables = check_tables(workload, clients)
+        check_dead_letters(workload, clients, report)
+    finally:
+        for c in clients:
+            c.disconnect()
+    report.verify_code, report.verify_output = arv(
+        ["verify", "--bootstrap-servers", workload.bootstrap, "--group", workload.group,
+         "--topic", workload.topic, "--json"])
+    if has_audit():
+        report.audit_code, report.audit_output = arv(["audit", *(audit_args or [])])
+    return report
+
+
+def dump(report: Report) -> str:
+    return json.dumps(report.summary(), sort_keys=True)

@@ -1,0 +1,163 @@
+"""Killing, pausing and restarting the services of a local stack (``scripts/stack``).
+
+The fault suite runs on its **own** stack (:func:`fault_stack_env`: its own
+``BLOCKAGG_STACK_DIR`` and ports, default ports + 2000) so that killing ClickHouse or
+the broker never disturbs the integration tests of others using the default stack. It
+shares the installed jars with the default stack through symlinks.
+
+* :meth:`StackControl.kill9` sends SIGKILL to a service's pid (from its pid file,
+  checked against its command line, so a recycled pid is never hit) and waits until
+  it is gone: a crash, not a shutdown; nothing is flushed.
+* :meth:`StackControl.up` is ``scripts/stack up``: it starts whatever is down and
+  waits until every service answers, which is how an operator recovers.
+* :meth:`StackControl.paused` SIGSTOPs a service for a while (then SIGCONTs it, even
+  on error): its sockets stay open but nothing answers, so clients time out; for
+  ZooKeeper this makes the ClickHouse replicas lose their sessions and refuse inserts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STACK = REPO_ROOT / "scripts" / "stack"
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from scripts import stack_lib  # noqa: E402
+
+SERVICES = stack_lib.SERVICES
+FAULT_PORT_SHIFT = 2000
+
+
+def fault_stack_env(base: Mapping[str, str] | None = None, shift: int = FAULT_PORT_SHIFT,
+                    root: Path | None = None) -> dict[str, str]:
+    """The environment of the fault suite's private stack: every ``BLOCKAGG_*_PORT``
+    at its default + ``shift`` and ``BLOCKAGG_STACK_DIR`` under ``.stack/faults``
+    (``BLOCKAGG_FAULT_STACK_DIR`` / ``BLOCKAGG_FAULT_PORT_SHIFT`` override)."""
+    env = dict(os.environ if base is None else base)
+    shift = int(env.get("BLOCKAGG_FAULT_PORT_SHIFT", shift))
+    folder = Path(env.get("BLOCKAGG_FAULT_STACK_DIR") or root or REPO_ROOT / ".stack" / "faults")
+    env["BLOCKAGG_STACK_DIR"] = str(folder)
+    for var, default in stack_lib.PORT_DEFAULTS.values():
+        env[var] = str(default + shift)
+    return env
+
+
+def link_installed_jars(env: Mapping[str, str]) -> None:
+    """Let a private stack dir reuse the default stack's resolved jars (no Maven run)."""
+    folder = Path(env["BLOCKAGG_STACK_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    shared = REPO_ROOT / ".stack"
+    for name in ("kafka-lib", "spark-jars"):
+        link = folder / name
+        if not link.exists() and (shared / name).is_dir() and folder != shared:
+            link.symlink_to(shared / name)
+
+
+class StackControl:
+    """Control of one stack, addressed by its environment (``scripts/stack`` vars)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+        self.cfg = stack_lib.StackConfig.from_env(self.env)
+        self.services = stack_lib.build_services(self.cfg)
+
+    # -- addresses -----------------------------------------------------------------
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{stack_lib.HOST}:{self.cfg.ports.kafka}"
+
+    @property
+    def ch_ports(self) -> tuple[int, int]:
+        return (self.cfg.ports.ch1_tcp, self.cfg.ports.ch2_tcp)
+
+    @property
+    def zk_port(self) -> int:
+        return self.cfg.ports.zk
+
+    def exported(self) -> dict[str, str]:
+        """What ``scripts/stack env`` prints, as a dict."""
+        out = subprocess.run([sys.executable, str(STACK), "env"], env=self.env,
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        values: dict[str, str] = {}
+        for line in out.splitlines():
+            if line.startswith("export ") and "=" in line:
+                key, _, value = line[len("export "):].partition("=")
+                values[key] = value.strip("'\"")
+        return values
+
+    # -- processes -----------------------------------------------------------------
+
+    def pid(self, service: str) -> int | None:
+        return self.services[service].pid()
+
+    def is_up(self, service: str) -> bool:
+        return self.services[service].is_up()
+
+    def up(self, timeout: float = 300.0) -> float:
+        """``scripts/stack up`` (starts what is down); returns the seconds it took."""
+        link_installed_jars(self.env)
+        started = time.monotonic()
+        res = subprocess.run([sys.executable, str(STACK), "up"], env=self.env,
+                             capture_output=True, text=True, timeout=timeout, check=False)
+        if res.returncode != 0:
+            raise RuntimeError(f"scripts/stack up failed ({res.returncode}):\n"
+                               f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
+        return time.monotonic() - started
+
+    def down(self, timeout: float = 120.0) -> None:
+        subprocess.run([sys.executable, str(STACK), "down"], env=self.env,
+                       capture_output=True, text=True, timeout=timeout, check=False)
+
+    def kill9(self, service: str, timeout: float = 30.0) -> int:
+        """SIGKILL the service; returns the pid it had. Raises if it was not running."""
+        svc = self.services[service]
+        pid = svc.pid()
+        if pid is None:
+            raise RuntimeError(f"{service} is not running; nothing to kill")
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while stack_lib.pid_alive(pid, svc.marker):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{service} (pid {pid}) survived SIGKILL for {timeout}s")
+            time.sleep(0.05)
+        return pid
+
+    def restart(self, service: str) -> float:
+        """kill -9 then ``scripts/stack up``: seconds until the service answers again."""
+        self.kill9(service)
+        return self.up()
+
+    def pause(self, service: str) -> int:
+        pid = self.pid(service)
+        if pid is None:
+            raise RuntimeError(f"{service} is not running; nothing to pause")
+        os.kill(pid, signal.SIGSTOP)
+        return pid
+
+    def resume(self, service: str, pid: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+    @contextlib.contextmanager
+    def paused(self, service: str) -> Iterator[int]:
+        """SIGSTOP ``service`` for the ``with`` body; always SIGCONT afterwards."""
+        pid = self.pause(service)
+        try:
+            yield pid
+        finally:
+            self.resume(service, pid)
+
+    def unreachable_for(self, service: str, seconds: float) -> None:
+        """Make ``service`` unreachable (stopped) for ``seconds``, then resume it."""
+        with self.paused(service):
+            time.sleep(seconds)
