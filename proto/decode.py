@@ -39,6 +39,8 @@ import numpy.typing as npt
 import pyarrow as pa
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
+from proto.descriptors import is_repeated
+
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -88,7 +90,7 @@ class Decoded:
 def arrow_type(fd: FieldDescriptor) -> pa.DataType:
     """The Arrow type :func:`decode_rows` produces for field ``fd``."""
     scalar = _scalar_arrow_type(fd)
-    if fd.is_repeated:
+    if is_repeated(fd):
         return pa.list_(scalar)
     return scalar
 
@@ -372,7 +374,7 @@ def _take(f: _Field, expected: int, sel: I64 | None, uniform: int | None, wt: I6
         elif uniform == expected:
             _record(f, expected, act, val, dpos, step)
             return
-        elif uniform == _WT_LEN and f.fd.is_repeated:
+        elif uniform == _WT_LEN and is_repeated(f.fd):
             _record_packed(f, act, val, dpos, step)
             return
         else:
@@ -382,14 +384,14 @@ def _take(f: _Field, expected: int, sel: I64 | None, uniform: int | None, wt: I6
     if single.size:
         _record(f, expected, act[single], val[single] if val.size else val,
                 dpos[single], step)
-    if f.fd.is_repeated and expected != _WT_LEN:
+    if is_repeated(f.fd) and expected != _WT_LEN:
         packed = sel[sub_wt == _WT_LEN]
         if packed.size:
             _record_packed(f, act[packed], val[packed], dpos[packed], step)
 
 
 def _record(f: _Field, expected: int, rows: I64, val: U64, dpos: I64, step: int) -> None:
-    if f.fd.is_repeated:
+    if is_repeated(f.fd):
         f.elem_rows.append(rows)
         f.single_step.append(np.full(rows.size, step, dtype=np.int64))
         if expected == _WT_VARINT:
@@ -505,7 +507,7 @@ def _finish(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> pa.Array:
     fd = f.fd
     t = fd.type
     all_rows = np.arange(n, dtype=np.int64)
-    if not fd.is_repeated:
+    if not is_repeated(fd):
         has_presence = fd.has_presence
         mask = f.present if has_presence else None
         if f.merge:

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from google.protobuf.descriptor import Descriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from proto.exceptions import SchemaError
@@ -103,3 +103,13 @@ def _message_names(fds: descriptor_pb2.FileDescriptorSet) -> list[str]:
         prefix = f"{f.package}." if f.package else ""
         names.extend(prefix + m.name for m in f.message_type)
     return names
+
+
+def is_repeated(fd: FieldDescriptor) -> bool:
+    """Whether ``fd`` is a repeated (or map) field, on every supported protobuf:
+    ``FieldDescriptor.is_repeated`` exists from protobuf 6.31 on and ``label`` is gone
+    in 7.x, so neither alone covers ``protobuf>=5.26``."""
+    flag = getattr(fd, "is_repeated", None)
+    if flag is not None:
+        return bool(flag)
+    return bool(fd.label == FieldDescriptor.LABEL_REPEATED)  # type: ignore[attr-defined,unused-ignore]

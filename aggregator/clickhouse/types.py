@@ -55,6 +55,7 @@ import pyarrow as pa
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from aggregator.clickhouse.exceptions import TypeParseError
+from proto.descriptors import is_repeated
 
 _T = FieldDescriptor
 
@@ -182,7 +183,7 @@ def _msg_name(fd: FieldDescriptor) -> str:
 
 
 def _is_map(fd: FieldDescriptor) -> bool:
-    return (fd.is_repeated and fd.message_type is not None
+    return (is_repeated(fd) and fd.message_type is not None
             and fd.message_type.GetOptions().map_entry)
 
 
@@ -198,7 +199,7 @@ def describe(fd: FieldDescriptor) -> str:
     """``repeated int64``, ``map``, ``google.protobuf.Timestamp``…, for messages."""
     if _is_map(fd):
         return "map"
-    return ("repeated " if fd.is_repeated else "") + _type_name(fd)
+    return ("repeated " if is_repeated(fd) else "") + _type_name(fd)
 
 
 def field_mismatch(ch: CHType, fd: FieldDescriptor) -> str | None:
@@ -208,7 +209,7 @@ def field_mismatch(ch: CHType, fd: FieldDescriptor) -> str | None:
     if ch.name == "LowCardinality":
         return field_mismatch(ch.children[0], fd)
     if ch.name == "Array":
-        if not fd.is_repeated or _is_map(fd):
+        if not is_repeated(fd) or _is_map(fd):
             return f"Array column needs a repeated field, got {describe(fd)}"
         return _scalar_mismatch(ch.children[0].unwrap(), fd)
     if ch.name == "Map":
@@ -221,7 +222,7 @@ def field_mismatch(ch: CHType, fd: FieldDescriptor) -> str | None:
             if reason:
                 return f"map {sub.name}: {reason}"
         return None
-    if fd.is_repeated:
+    if is_repeated(fd):
         return f"{describe(fd)} field needs an Array or Map column, got {ch}"
     return _scalar_mismatch(ch.unwrap(), fd)
 
@@ -289,16 +290,16 @@ class Converted:
 def convert_column(ch: CHType, fd: FieldDescriptor, column: pa.Array) -> Converted:
     """Convert ``column`` (field ``fd`` decoded) to values of ClickHouse type ``ch``."""
     errors: dict[int, str] = {}
-    values = _converter(ch, fd, fd.is_repeated)(column.to_pylist() if not _numeric_fast(
+    values = _converter(ch, fd, is_repeated(fd))(column.to_pylist() if not _numeric_fast(
         ch, fd) else column, errors, None)
     return Converted(values, errors)
 
 
 def _numeric_fast(ch: CHType, fd: FieldDescriptor) -> bool:
     base = ch.unwrap()
-    return (not fd.is_repeated and not fd.has_presence and base.name in INT_RANGES
+    return (not is_repeated(fd) and not fd.has_presence and base.name in INT_RANGES
             and fd.type in _INT_FIELDS) or (
-        not fd.is_repeated and not fd.has_presence
+        not is_repeated(fd) and not fd.has_presence
         and base.name in ("Float32", "Float64", "Bool") and fd.type != _T.TYPE_MESSAGE)
 
 
@@ -376,7 +377,7 @@ def _scalar_converter(ch: CHType, fd: FieldDescriptor) -> _Conv:
         return unwrap
     if name == "Tuple":
         assert fd.message_type is not None
-        subs = [_converter(c, sub, sub.is_repeated)
+        subs = [_converter(c, sub, is_repeated(sub))
                 for c, sub in zip(ch.children, fd.message_type.fields, strict=True)]
         names = [sub.name for sub in fd.message_type.fields]
         sub_fields = list(fd.message_type.fields)
@@ -396,7 +397,7 @@ def _scalar_converter(ch: CHType, fd: FieldDescriptor) -> _Conv:
 
 
 def _default_of(fd: FieldDescriptor) -> Any:
-    if fd.is_repeated:
+    if is_repeated(fd):
         return []
     if fd.type == _T.TYPE_MESSAGE:
         return None
