@@ -1,0 +1,281 @@
+"""The per-partition task: one Kafka partition's rows of one micro-batch -> one
+aggregator run -> one report dict for the driver.
+
+``run_partition(ctx, rows)`` is the ``mapPartitions`` function. The Kafka source
+gives each Kafka topic-partition range its own Spark partition (``minPartitions`` and
+``maxRecordsPerPartition`` are refused by the configuration), in offset order; the
+task checks both and refuses rows that break them. It builds a :class:`Batch` over
+the planned ``[start, end)`` range (envelope -> table id; unregistered tables and
+malformed envelopes -> the dead-letter table, id 0), reads the partition's last
+commit, runs the core protocol (REPLAY, then CONSUME) with the shard's writer as the
+sink, and returns figures. ``run_range(ctx, tp, [])`` is the same for a planned range
+without a visible row (only transaction markers or aborted records): the driver runs
+it, so the final metadata of that range is still committed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
+from aggregator.config import Config
+from aggregator.core.metadata import DEAD_LETTER_TABLE_ID
+from aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore, Thresholds
+from aggregator.core.protocol import process_batch
+from proto.envelope import Parsed, Rejected, parse_envelope
+from spark.components import Components, TableRegistry
+from spark.exceptions import DeadLetterRateExceeded, TaskContractError
+from spark.offsets import PlannedRange, TopicPartition
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """Everything a task needs, pickled into it by the driver (small)."""
+
+    config: Config
+    components: Components
+    ranges: dict[TopicPartition, PlannedRange]
+    batch_id: int
+    run_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """The payload of one message routed to a table: its envelope, parsed."""
+
+    parsed: Parsed
+    timestamp_ms: int
+
+
+def reason_label(reason: str) -> str:
+    """A low-cardinality label for a dead-letter reason."""
+    low = reason.lower()
+    for needle, label in (
+        ("not registered", "unregistered_table"),
+        ("no value", "no_value"),
+        ("does not decode", "bad_envelope"),
+        ("is not 'database.table'", "bad_table_name"),
+        ("no rows", "no_rows"),
+        ("row", "bad_row"),
+        ("schema", "schema"),
+    ):
+        if needle in low:
+            return label
+    return "other"
+
+
+def build_batch(
+    rng: PlannedRange,
+    offsets: Sequence[int],
+    values: Sequence[bytes | None],
+    timestamps_ms: Sequence[int],
+    registry: TableRegistry,
+    dead_letter_table: str,
+) -> Batch:
+    """The core's columnar :class:`Batch` for one partition's rows (offset order).
+
+    Payloads: :class:`Message` for a message routed to a table, a
+    :class:`~aggregator.clickhouse.deadletters.DeadLetter` (table id 0) for one that
+    can't be: a malformed envelope or an unregistered table. Every decision is a pure
+    function of the message and the registry, so a replay classifies alike.
+    """
+    n = len(offsets)
+    table_ids = np.zeros(n, dtype=np.int64)
+    row_counts = np.ones(n, dtype=np.int64)
+    sizes = np.zeros(n, dtype=np.int64)
+    payloads: list[Message | DeadLetter] = []
+    tables: dict[int, str] = {}
+    for i, (offset, value, ts) in enumerate(zip(offsets, values, timestamps_ms, strict=True)):
+        sizes[i] = len(value) if value is not None else 0
+        result = parse_envelope(value)
+        reason: Rejected | None = None
+        if isinstance(result, Parsed):
+            table_id = registry.table_id(result.table)
+            if table_id is not None:
+                table_ids[i] = table_id
+                row_counts[i] = len(result.rows)
+                tables[table_id] = result.table
+                payloads.append(Message(result, ts))
+                continue
+            reason = Rejected(f"table {result.table} is not registered in the schema registry",
+                              table=result.table)
+        else:
+            reason = result
+        payloads.append(make_dead_letter(rng.topic, rng.partition, offset, ts, value,
+                                         reason.reason, reason.table))
+        tables[DEAD_LETTER_TABLE_ID] = dead_letter_table
+    start = rng.start if rng.exact_start or n == 0 else min(rng.start, offsets[0])
+    return Batch(
+        topic=rng.topic,
+        partition=rng.partition,
+        start=start,
+        end=rng.end,
+        offsets=np.asarray(offsets, dtype=np.int64),
+        table_ids=table_ids,
+        row_counts=row_counts,
+        sizes=sizes,
+        payloads=payloads,
+        tables=tables,
+    )
+
+
+def _error_code(exc: BaseException) -> str | None:
+    code = getattr(exc, "code", None)
+    return str(code) if isinstance(code, int) else None
+
+
+class _MeasuredStore:
+    def __init__(self, inner: MetadataStore) -> None:
+        self.inner = inner
+        self.seconds: list[float] = []
+        self.failures = 0
+
+    def committed(self, topic: str, partition: int) -> Committed | None:
+        return self.inner.committed(topic, partition)
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+        start = time.perf_counter()
+        try:
+            self.inner.commit(topic, partition, offset, metadata)
+        except Exception:
+            self.failures += 1
+            raise
+        self.seconds.append(time.perf_counter() - start)
+
+
+class _MeasuredSink:
+    def __init__(self, inner: BlockSink) -> None:
+        self.inner = inner
+        self.seconds: list[tuple[str, float]] = []
+        self.inserted: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self.block_rows: list[int] = []
+        self.errors: dict[str, int] = defaultdict(int)
+
+    def insert(self, block: Block, batch: Batch) -> None:
+        start = time.perf_counter()
+        try:
+            self.inner.insert(block, batch)
+        except Exception as exc:
+            code = _error_code(exc)
+            if code is not None:
+                self.errors[code] += 1
+            raise
+        self.seconds.append((block.table, time.perf_counter() - start))
+        figures = self.inserted[block.table]
+        figures[0] += block.rows
+        figures[1] += block.size
+        figures[2] += 1
+        figures[3] += int(block.replay)
+        self.block_rows.append(block.rows)
+
+
+def run_range(
+    ctx: TaskContext,
+    tp: TopicPartition,
+    offsets: Sequence[int],
+    values: Sequence[bytes | None],
+    timestamps_ms: Sequence[int],
+) -> dict[str, Any]:
+    """Run the protocol over one planned range; return the report dict."""
+    started = time.time()
+    config = ctx.config
+    rng = ctx.ranges.get(tp)
+    if rng is None:
+        raise TaskContractError(
+            f"{tp[0]}[{tp[1]}]: rows arrived for a partition without a planned range in batch "
+            f"{ctx.batch_id}; the offset log and the source disagree"
+        )
+    if offsets and (
+        (rng.exact_start and offsets[0] < rng.start) or offsets[-1] >= rng.end
+    ):
+        raise TaskContractError(
+            f"{tp[0]}[{tp[1]}]: rows [{offsets[0]}, {offsets[-1]}] fall outside the planned "
+            f"range [{rng.start}, {rng.end}) of batch {ctx.batch_id}"
+        )
+    registry = ctx.components.registry(config)
+    batch = build_batch(rng, offsets, values, timestamps_ms, registry,
+                        config.dead_letters.table)
+    dead = int(np.count_nonzero(batch.table_ids == DEAD_LETTER_TABLE_ID)) if len(batch) else 0
+    if len(batch) and dead / len(batch) > config.dead_letters.max_rate:
+        sample = next(m.error for m in batch.payloads if isinstance(m, DeadLetter))
+        raise DeadLetterRateExceeded(
+            f"{tp[0]}[{tp[1]}] batch {ctx.batch_id}: {dead} of {len(batch)} messages are dead "
+            f"letters, over dead_letters.max_rate = {config.dead_letters.max_rate} (first "
+            f"reason: {sample}). Fix the producer or the schema registry, or raise max_rate"
+        )
+    topic_config = config.topic_for(tp[0])
+    store = _MeasuredStore(ctx.components.store(config))
+    sink = _MeasuredSink(ctx.components.sink(config, topic_config))
+    thresholds = Thresholds(config.blocks.max_rows, config.blocks.max_bytes,
+                            config.job.offset_metadata_max_bytes)
+    report = process_batch(batch, store, sink, thresholds, ctx.run_id, ctx.batch_id)
+    consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    dead_letters: dict[str, int] = defaultdict(int)
+    for i, message in enumerate(batch.payloads):
+        name = batch.tables[int(batch.table_ids[i])]
+        consumed[name][0] += int(batch.row_counts[i])
+        consumed[name][1] += int(batch.sizes[i])
+        if isinstance(message, DeadLetter):
+            dead_letters[reason_label(message.error)] += 1
+    return {
+        "topic": tp[0],
+        "partition": tp[1],
+        "start": batch.start,
+        "end": batch.end,
+        "resume": report.resume,
+        "skipped": report.skipped,
+        "messages": len(batch),
+        "blocks": report.blocks,
+        "replayed_blocks": report.replayed_blocks,
+        "rows": report.rows,
+        "bytes": report.bytes,
+        "commits": report.commits,
+        "warning": report.warning,
+        "consumed": dict(consumed),
+        "inserted": dict(sink.inserted),
+        "block_rows": sink.block_rows,
+        "insert_seconds": sink.seconds,
+        "commit_seconds": store.seconds,
+        "commit_failures": store.failures,
+        "dead_letters": dict(dead_letters),
+        "clickhouse_errors": dict(sink.errors),
+        "seconds": time.time() - started,
+    }
+
+
+def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    """``mapPartitions`` function: rows are (topic, partition, offset, value, timestamp)."""
+    current: TopicPartition | None = None
+    offsets: list[int] = []
+    values: list[bytes | None] = []
+    stamps: list[int] = []
+    for row in rows:
+        tp = (row[0], row[1])
+        if current is None:
+            current = tp
+        elif tp != current:
+            raise TaskContractError(
+                f"one Spark partition holds rows of {current[0]}[{current[1]}] and "
+                f"{tp[0]}[{tp[1]}]: a Kafka partition range must be one Spark partition "
+                "(remove minPartitions/maxRecordsPerPartition, do not repartition)"
+            )
+        offset = int(row[2])
+        if offsets and offset <= offsets[-1]:
+            raise TaskContractError(
+                f"{tp[0]}[{tp[1]}]: offsets out of order ({offsets[-1]} then {offset}): a "
+                "Kafka partition's rows must reach the aggregator in offset order"
+            )
+        offsets.append(offset)
+        value = row[3]
+        values.append(bytes(value) if value is not None else None)
+        stamp = row[4]
+        stamps.append(int(stamp.timestamp() * 1000) if stamp is not None else 0)
+    if current is None:
+        return
+    yield run_range(ctx, current, offsets, values, stamps)
