@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Final, Protocol
@@ -61,7 +61,9 @@ class Registration:
         return self.versions[-1]
 
     def version(self, number: int) -> SchemaVersion:
-        """Version ``number``; 0 (:data:`proto.envelope.LATEST`) is the latest."""
+        """Version ``number``; 0 (:data:`proto.envelope.LATEST`) is the latest *now*.
+
+        Not deterministic for 0 across registrations: the job uses :meth:`resolve`."""
         if number == LATEST:
             return self.latest
         for v in self.versions:
@@ -70,6 +72,33 @@ class Registration:
         raise UnknownVersion(
             f"table {self.table} has no schema version {number}; registered: "
             f"{', '.join(str(v.version) for v in self.versions)}")
+
+    def resolve(self, number: int, timestamp_ms: int) -> SchemaVersion:
+        """The version a message with ``schema_version = number`` and Kafka timestamp
+        ``timestamp_ms`` decodes with: a pure function of the message and of the
+        registration's (append-only) history, so a replay resolves alike whatever was
+        registered in between.
+
+        A pinned version (``number`` > 0) is that version. ``0`` (latest) is the
+        highest version whose ``registered_at_ms`` is at or before ``timestamp_ms``
+        (versions stored without a time, ``registered_at_ms = 0``, count as always
+        registered). Raises :class:`UnknownVersion` when there is none, e.g. a
+        message without a timestamp (-1) or older than the table's registration.
+        """
+        if number != LATEST:
+            return self.version(number)
+        best: SchemaVersion | None = None
+        for v in self.versions:
+            if v.registered_at_ms <= timestamp_ms and (best is None or v.version > best.version):
+                best = v
+        if best is None:
+            first = min(v.registered_at_ms for v in self.versions)
+            raise UnknownVersion(
+                f"table {self.table}: schema_version 0 (latest) resolves by the message's "
+                f"Kafka timestamp ({timestamp_ms} ms), and no version was registered at or "
+                f"before it (first registration at {first} ms); pin schema_version in the "
+                "producer, or fix the producer's clock / message timestamp")
+        return best
 
     def encode(self) -> bytes:
         msg = registry_pb2.Registration(table=self.table, table_id=self.table_id)
@@ -218,14 +247,23 @@ class KafkaStore:
 
 
 class Registry:
-    """A snapshot of every registration, read from a :class:`Store`."""
+    """A snapshot of every registration, read from a :class:`Store`.
 
-    def __init__(self, registrations: Mapping[str, Registration]) -> None:
+    ``loaded_at_ms`` is when the snapshot was read (wall clock of the reader; 0 when
+    unknown): every registration written before it is in the snapshot. A message
+    whose resolution could depend on a later registration (:meth:`covers` is False)
+    should be resolved on a fresh snapshot (:class:`RegistryCache`).
+    """
+
+    def __init__(self, registrations: Mapping[str, Registration],
+                 loaded_at_ms: int = 0) -> None:
         self._by_table = dict(registrations)
         self._by_id = {r.table_id: r for r in self._by_table.values()}
+        self.loaded_at_ms = loaded_at_ms
 
     @classmethod
-    def from_records(cls, records: Iterable[tuple[bytes | None, bytes | None]]) -> Registry:
+    def from_records(cls, records: Iterable[tuple[bytes | None, bytes | None]],
+                     loaded_at_ms: int = 0) -> Registry:
         """Apply records in order; records that break the rules are skipped with a
         warning (so running jobs keep decoding with what they had)."""
         current: dict[str, Registration] = {}
@@ -241,11 +279,30 @@ class Registry:
                 log.warning("ignoring registry record: %s", exc)
                 continue
             current[reg.table] = reg
-        return cls(current)
+        return cls(current, loaded_at_ms)
 
     @classmethod
-    def load(cls, store: Store) -> Registry:
-        return cls.from_records(store.read())
+    def load(cls, store: Store, clock: Callable[[], float] = time.time) -> Registry:
+        started = int(clock() * 1000)
+        return cls.from_records(store.read(), started)
+
+    def covers(self, timestamp_ms: int) -> bool:
+        """True when no registration made after this snapshot can change how a
+        message stamped ``timestamp_ms`` resolves: the snapshot was read after that
+        time (a later registration gets a later ``registered_at_ms``, up to clock
+        skew between the registering host and this one)."""
+        return timestamp_ms < self.loaded_at_ms
+
+    def table_id(self, table: str) -> int | None:
+        """The table's stable id, None when not registered (``spark.components.
+        TableRegistry``)."""
+        reg = self._by_table.get(table)
+        return reg.table_id if reg is not None else None
+
+    def resolve(self, table: str, version: int, timestamp_ms: int) -> SchemaVersion:
+        """:meth:`Registration.resolve` of ``table``; raises :class:`UnknownTable`
+        or :class:`UnknownVersion`."""
+        return self.get(table).resolve(version, timestamp_ms)
 
     def __contains__(self, table: object) -> bool:
         return table in self._by_table
@@ -284,6 +341,11 @@ class Registry:
         load_descriptor(file_descriptor_set, message_name)
         stamp = int(time.time() * 1000) if now_ms is None else now_ms
         old = self._by_table.get(table)
+        if old is not None:
+            # Registration times grow with versions, so "latest at time T" is the
+            # highest version registered by T, and a new version never takes effect
+            # for messages stamped before an existing one did.
+            stamp = max(stamp, max(v.registered_at_ms for v in old.versions) + 1)
         if old is None:
             table_id = max(self._by_id, default=0) + 1
             return Registration(table, table_id, (SchemaVersion(1, message_name,
@@ -310,13 +372,17 @@ def _check_successor(old: Registration | None, new: Registration,
         raise RegistryError(f"{new.table} rewrites existing versions")
 
 
-def register(store: Store, table: str, message_name: str, file_descriptor_set: bytes
-             ) -> tuple[Registration, bool]:
+def register(store: Store, table: str, message_name: str, file_descriptor_set: bytes,
+             now_ms: int | None = None) -> tuple[Registration, bool]:
     """Write a new version of ``table`` (re-reading the topic first and after, so a
     concurrent registration is detected). Returns the registration and whether a
-    record was written (False: identical to the latest version)."""
+    record was written (False: identical to the latest version).
+
+    The version's ``registered_at_ms`` is ``now_ms`` (default: this host's clock),
+    raised if needed above every earlier version's: messages with
+    ``schema_version = 0`` stamped at or after it decode with the new version."""
     registry = Registry.load(store)
-    new = registry.next_registration(table, message_name, file_descriptor_set)
+    new = registry.next_registration(table, message_name, file_descriptor_set, now_ms)
     if new is None:
         return registry.get(table), False
     store.write(table.encode(), new.encode())
@@ -326,3 +392,52 @@ def register(store: Store, table: str, message_name: str, file_descriptor_set: b
             f"a concurrent registration of {table} won (now version {after.latest.version}, "
             f"id {after.table_id}); check with ba-schema show {table} and retry")
     return new, True
+
+
+class RegistryCache:
+    """The registry as a long-lived process (a Spark worker) sees it: one snapshot,
+    re-read from the store only when a decision needs a newer one.
+
+    * :meth:`for_messages` returns a snapshot that is fresh enough for messages with
+      the given timestamps: re-read when one of them is not :meth:`Registry.covers`
+      by the current snapshot, so version 0 resolves on a snapshot that holds every
+      version registered up to the message's time;
+    * :meth:`table_id` (``spark.components.TableRegistry``) and :meth:`reload` re-read
+      on an unknown table or version, so a fresh registration is seen at once.
+    """
+
+    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.clock = clock
+        self._snapshot: Registry | None = None
+        self.reloads = 0
+
+    def current(self) -> Registry:
+        if self._snapshot is None:
+            return self.reload()
+        return self._snapshot
+
+    def reload(self) -> Registry:
+        self._snapshot = Registry.load(self.store, self.clock)
+        self.reloads += 1
+        return self._snapshot
+
+    def for_messages(self, timestamps_ms: Iterable[int]) -> Registry:
+        snapshot = self.current()
+        newest = max(timestamps_ms, default=None)
+        if newest is not None and not snapshot.covers(newest):
+            snapshot = self.reload()
+        return snapshot
+
+    def table_id(self, table: str) -> int | None:
+        found = self.current().table_id(table)
+        if found is None:
+            found = self.reload().table_id(table)
+        return found
+
+
+def from_config(config: Any) -> RegistryCache:
+    """The registry of a job configuration (``aggregator.config.Config``): the
+    ``[schemas] topic`` read with the job's Kafka client settings."""
+    return RegistryCache(KafkaStore(dict(config.kafka.librdkafka_config()),
+                                    config.schemas.topic))

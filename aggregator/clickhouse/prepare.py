@@ -16,9 +16,10 @@ import numpy as np
 import numpy.typing as npt
 
 from aggregator.clickhouse.deadletters import DEFAULT_TABLE, DeadLetter, make_dead_letter
+from aggregator.clickhouse.exceptions import TableNotFound
 from aggregator.clickhouse.rows import Column, Rows, TablePlan, decode_messages, make_plan
 from aggregator.core.metadata import DEAD_LETTER_TABLE_ID
-from proto.envelope import Parsed, parse_envelope
+from proto.envelope import LATEST, Parsed, parse_envelope
 from proto.exceptions import ProtoError
 from proto.registry import Registry
 
@@ -50,18 +51,53 @@ class Prepared:
 
 class Plans:
     """Insert plans per (table, version), built lazily from the registry and the
-    table's live columns (``columns(table)``, read once per table per run)."""
+    table's live columns (``columns(table)``, read once per table per run).
 
-    def __init__(self, registry: Registry, columns: Callable[[str], Sequence[Column]]) -> None:
+    ``reload`` (e.g. :meth:`proto.registry.RegistryCache.reload`) returns a fresh
+    registry snapshot; :func:`prepare` calls it, at most once per call, when a
+    message names a table or version the snapshot lacks, or carries
+    ``schema_version = 0`` with a timestamp the snapshot does not cover
+    (:meth:`proto.registry.Registry.covers`). Without it the snapshot is used as is.
+    """
+
+    def __init__(self, registry: Registry, columns: Callable[[str], Sequence[Column]],
+                 reload: Callable[[], Registry] | None = None) -> None:
         self.registry = registry
         self._columns = columns
+        self._reload = reload
         self._live: dict[str, Sequence[Column]] = {}
         self._plans: dict[tuple[str, int], tuple[TablePlan, list[str]]] = {}
 
-    def plan(self, table: str, version: int) -> tuple[TablePlan, list[str]]:
-        """Raises :class:`proto.exceptions.UnknownTable`/``UnknownVersion``."""
+    def refresh(self) -> bool:
+        """Re-read the registry (when a ``reload`` was given); plans already built
+        stay valid, since a registered version never changes."""
+        if self._reload is None:
+            return False
+        self.registry = self._reload()
+        return True
+
+    def needs_refresh(self, table: str, version: int, timestamp_ms: int) -> bool:
+        """Whether the snapshot may be too old to decide this message."""
+        if table not in self.registry:
+            return True
         reg = self.registry.get(table)
-        resolved = reg.version(version)
+        if version == LATEST:
+            return not self.registry.covers(timestamp_ms)
+        return all(v.version != version for v in reg.versions)
+
+    def plan(self, table: str, version: int, timestamp_ms: int | None = None
+             ) -> tuple[TablePlan, list[str]]:
+        """The plan for a message of ``table`` with ``schema_version = version``.
+
+        With ``timestamp_ms`` (the message's Kafka timestamp), version 0 resolves
+        deterministically (:meth:`proto.registry.Registration.resolve`); without it,
+        to the snapshot's latest (not replay-safe). Raises
+        :class:`proto.exceptions.UnknownTable`/``UnknownVersion``, and
+        :class:`aggregator.clickhouse.exceptions.TableNotFound` when the live table
+        is gone."""
+        reg = self.registry.get(table)
+        resolved = (reg.version(version) if timestamp_ms is None
+                    else reg.resolve(version, timestamp_ms))
         key = (table, resolved.version)
         if key not in self._plans:
             if table not in self._live:
@@ -88,14 +124,17 @@ def prepare(topic: str, partition: int, messages: Sequence[Message], plans: Plan
         table_ids[i] = DEAD_LETTER_TABLE_ID
         row_counts[i] = 1
 
-    for i, m in enumerate(messages):
-        parsed = parse_envelope(m.value)
+    parsed_all = [parse_envelope(m.value) for m in messages]
+    if any(isinstance(p, Parsed) and plans.needs_refresh(p.table, p.version, m.timestamp_ms)
+           for p, m in zip(parsed_all, messages, strict=True)):
+        plans.refresh()
+    for i, (m, parsed) in enumerate(zip(messages, parsed_all, strict=True)):
         if not isinstance(parsed, Parsed):
             dead(i, parsed.reason, parsed.table)
             continue
         try:
-            plan, problems = plans.plan(parsed.table, parsed.version)
-        except ProtoError as exc:
+            plan, problems = plans.plan(parsed.table, parsed.version, m.timestamp_ms)
+        except (ProtoError, TableNotFound) as exc:
             dead(i, str(exc), parsed.table)
             continue
         if problems:
@@ -105,7 +144,7 @@ def prepare(topic: str, partition: int, messages: Sequence[Message], plans: Plan
         groups.setdefault((parsed.table, plan.version), []).append((i, parsed))
     tables: dict[int, str] = {}
     for (table, version), members in groups.items():
-        plan, _ = plans.plan(table, version)
+        plan, _ = plans.plan(table, version)  # a resolved version: pinned
         results = decode_messages(plan, [p.rows for _, p in members])
         for (i, _p), result in zip(members, results, strict=True):
             if isinstance(result, str):

@@ -15,7 +15,7 @@ from proto.registry import MemoryStore, Registry, register
 
 def test_prepare_routes_and_dead_letters(sample: Descriptor, sample_fds: bytes) -> None:
     store = MemoryStore()
-    register(store, "db.t", "blockagg.test.Inner", sample_fds)
+    register(store, "db.t", "blockagg.test.Inner", sample_fds, now_ms=1_600_000_000_000)
     plans = Plans(Registry.load(store), lambda t: [Column("a", "UInt8"),
                                                    Column("b", "String")])
     cls: Any = message_class(sample.fields_by_name["inner"].message_type)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proto.decode import arrow_type, decode_rows
-from proto.descriptors import message_class
+from proto.descriptors import is_repeated, message_class
 
 I32 = st.integers(-(2**31), 2**31 - 1)
 I64 = st.integers(-(2**63), 2**63 - 1)
@@ -38,7 +38,7 @@ def _float32(value: float) -> float:
 
 def _field(fd: FieldDescriptor, msg: Message) -> Any:
     value = getattr(msg, fd.name)
-    if fd.is_repeated:
+    if is_repeated(fd):
         if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
             return {k: value[k] for k in value}
         return [_python(fd, v) for v in value]
