@@ -2,13 +2,15 @@
 
 ``arv verify`` exits 0 when the history is clean, 1 when it found anomalies, 2 when it
 could not run (usage, connection, unreadable ``__consumer_offsets``, records it could not
-decode); errors go to stderr, findings to stdout.
+decode); errors go to stderr, findings to stdout. ``arv audit`` exits 0 when ClickHouse
+holds every delivered message exactly once, 1 on discrepancies, 2 when it could not run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -20,6 +22,8 @@ import click
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from aggregator.core.metadata import Metadata
+from proto.envelope import is_table_name
+from verifier.audit import DEFAULT_EXAMPLES, AuditReport, audit_partitions, make_plan
 from verifier.exceptions import VerifierError
 from verifier.history import DecodeFailure, HistoryReader, Tombstone, parse_settings
 from verifier.rules import Anomaly, AnomalyKind, Commit, Verifier
@@ -314,6 +318,155 @@ class _Stopper:
 
     def __call__(self) -> bool:
         return self.stopping or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+
+def _parse_from_offsets(values: tuple[str, ...]) -> dict[tuple[str | None, int], int]:
+    start: dict[tuple[str | None, int], int] = {}
+    for value in values:
+        where, sep, offset = value.rpartition("=")
+        topic, colon, partition = where.rpartition(":")
+        try:
+            if not sep or (colon and not topic):
+                raise ValueError
+            key, number = (topic or None, int(partition)), int(offset)
+        except ValueError:
+            raise click.BadParameter(
+                f"{value!r} is not [TOPIC:]PARTITION=OFFSET (e.g. orders:3=123456)",
+                param_hint="--from-offset") from None
+        if number < 0 or key[1] < 0:
+            raise click.BadParameter(f"{value!r} has a negative number",
+                                     param_hint="--from-offset")
+        start[key] = number
+    return start
+
+
+def _default_clickhouse() -> str:
+    host = os.environ.get("BLOCKAGG_CH_HOST", "localhost")
+    ports = os.environ.get("BLOCKAGG_CH_PORTS", "9000").replace(",", " ").split()
+    return f"{host}:{ports[0] if ports else '9000'}"
+
+
+def _parse_table(value: str, option: str) -> str:
+    if not is_table_name(value):
+        raise click.BadParameter(f"{value!r} is not database.table", param_hint=option)
+    return value
+
+
+@cli.command()
+@click.option("--bootstrap-servers", required=True, metavar="HOST:PORT[,...]",
+              help="Kafka bootstrap servers (as bootstrap.servers).")
+@click.option("--group", required=True, metavar="GROUP",
+              help="Consumer group of the aggregator job whose deliveries to audit.")
+@click.option("--topic", "topics", multiple=True, metavar="TOPIC",
+              help="Audit this topic; repeatable. Default: every topic the group committed.")
+@click.option("--from-offset", "from_offsets", multiple=True,
+              metavar="[TOPIC:]PARTITION=OFFSET",
+              help="Audit the partition from OFFSET on (default: its first offset, as "
+                   "retention left it); repeatable.")
+@click.option("--clickhouse", "clickhouse", default=_default_clickhouse, metavar="HOST:PORT",
+              show_default="$BLOCKAGG_CH_HOST:first of $BLOCKAGG_CH_PORTS, or localhost:9000",
+              help="ClickHouse native-protocol endpoint (one replica of the shard).")
+@click.option("--clickhouse-user", envvar="BLOCKAGG_CH_USER", default="default",
+              show_default=True, help="ClickHouse user (env BLOCKAGG_CH_USER).")
+@click.option("--clickhouse-password-env", default="BLOCKAGG_CH_PASSWORD", show_default=True,
+              metavar="NAME", help="Environment variable holding the ClickHouse password.")
+@click.option("--database", "databases", multiple=True, metavar="DB",
+              help="Audit the tables with _topic/_partition/_offset of this database; "
+                   "repeatable. Default: every database.")
+@click.option("--table", "tables", multiple=True, metavar="DB.TABLE",
+              help="Audit this table (it must have the coordinate columns); repeatable.")
+@click.option("--dead-letter-table", default="blockagg.dead_letters", show_default=True,
+              metavar="DB.TABLE", help="The job's dead-letter table ('' for none).")
+@click.option("--examples", type=click.IntRange(0, 1000), default=DEFAULT_EXAMPLES,
+              show_default=True, metavar="N", help="Offsets shown per kind of discrepancy.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per line per topic/partition/table.")
+@click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              metavar="SECONDS", help="Timeout of Kafka requests and of connecting.")
+@click.option("-X", "--setting", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Kafka client setting passed through; repeatable.")
+@click.option("--clickhouse-setting", "ch_settings", multiple=True, metavar="KEY=VALUE",
+              help="ClickHouse query setting (e.g. max_bytes_before_external_sort=...); "
+                   "repeatable.")
+def audit(
+    bootstrap_servers: str,
+    group: str,
+    topics: tuple[str, ...],
+    from_offsets: tuple[str, ...],
+    clickhouse: str,
+    clickhouse_user: str,
+    clickhouse_password_env: str,
+    databases: tuple[str, ...],
+    tables: tuple[str, ...],
+    dead_letter_table: str,
+    examples: int,
+    as_json: bool,
+    timeout: float,
+    settings: tuple[str, ...],
+    ch_settings: tuple[str, ...],
+) -> None:
+    """Prove that ClickHouse holds every message GROUP delivered exactly once.
+
+    For tables with _topic, _partition, _offset columns. Exit codes: 0 clean,
+    1 discrepancies found, 2 could not run.
+    """
+    start = _parse_from_offsets(from_offsets)
+    table_names = [_parse_table(t, "--table") for t in tables]
+    dlt = _parse_table(dead_letter_table, "--dead-letter-table") if dead_letter_table else None
+    host, sep, port = clickhouse.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise click.BadParameter(f"{clickhouse!r} is not HOST:PORT", param_hint="--clickhouse")
+    try:
+        passthrough = parse_settings(settings)
+    except VerifierError as exc:
+        raise click.BadParameter(str(exc), param_hint="-X") from None
+    query_settings: dict[str, str] = {}
+    for pair in ch_settings:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise click.BadParameter(f"{pair!r} is not KEY=VALUE",
+                                     param_hint="--clickhouse-setting")
+        query_settings[key.strip()] = value
+    password = os.environ.get(clickhouse_password_env, "")
+    try:
+        code = _audit(bootstrap_servers, group, list(topics), start, host, int(port),
+                      clickhouse_user, password, list(databases), table_names, dlt, examples,
+                      as_json, timeout, passthrough, query_settings)
+    except VerifierError as exc:
+        click.echo(f"arv: error: {exc}", err=True)
+        sys.exit(EXIT_CANNOT_RUN)
+    sys.exit(code)
+
+
+def _audit(bootstrap_servers: str, group: str, topics: list[str],
+           start: dict[tuple[str | None, int], int], host: str, port: int, user: str,
+           password: str, databases: list[str], tables: list[str], dlt: str | None,
+           examples: int, as_json: bool, timeout: float, settings: dict[str, str],
+           query_settings: dict[str, str]) -> int:
+    from verifier.audit_sources import ClickHouseAuditReader, KafkaAuditReader
+
+    report = AuditReport(click.get_text_stream("stdout"), as_json)
+    begun = time.monotonic()
+    with KafkaAuditReader(bootstrap_servers, group, settings, timeout) as kafka, \
+            ClickHouseAuditReader(host, port, user, password, query_settings,
+                                  timeout) as clickhouse:
+        warnings: list[str] = []
+        plan = make_plan(kafka, clickhouse, topics, tables, databases, dlt, start, examples,
+                         warnings)
+        for warning in warnings:
+            click.echo(f"arv: warning: {warning}", err=True)
+        for partition in audit_partitions(kafka, clickhouse, plan):
+            for note in partition.notes:
+                click.echo(f"arv: warning: {note}", err=True)
+            report.add(partition)
+    s = report.summary
+    elapsed = time.monotonic() - begun
+    click.echo(
+        f"arv: audited {len(plan.tables)} tables over {s.partitions} partitions of "
+        f"{len(plan.topics)} topics in {elapsed:.1f}s: {s.messages_read} messages read, "
+        f"{s.count_rows_read} offset counts read, {s.unaudited_messages} messages of "
+        f"unaudited tables, {s.discrepancies} discrepancies", err=True)
+    return EXIT_ANOMALIES if s.discrepancies else EXIT_CLEAN
 
 
 def main() -> None:

@@ -17,3 +17,7 @@ class OffsetsDecodeError(VerifierError):
 
 class HistoryReadError(VerifierError):
     """``__consumer_offsets`` could not be read: connection, authorization, config."""
+
+
+class AuditError(VerifierError):
+    """``arv audit`` could not run: a reader failed, or an option names what isn't there."""
