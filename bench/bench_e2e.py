@@ -1,0 +1,485 @@
+"""End-to-end benchmark of the job: ``python -m bench.bench_e2e``.
+
+One topic holds ``--rows`` rows (``bench.workload.Rows``: 10 columns, ``--tables``
+tables, ``--partitions`` partitions). Each *run* starts the real job
+(``spark/job.py --until-caught-up``) on a fresh consumer group, fresh checkpoint and
+freshly created tables (new ZooKeeper paths, so ClickHouse's deduplication memory of an
+earlier run can never drop a block and flatter the figures), and drains the topic:
+
+* ``exactly_once``: the job as shipped;
+* ``at_least_once``: the same job with ``BLOCKAGG_COMPONENTS=bench.e2e_components:at_least_once``
+  (no metadata commits, no replay; see that module);
+
+over block sizes (``--block-rows``) and cores (``--cores``: ``local[N]`` and the job's
+process tree pinned to N CPUs with ``taskset``; ClickHouse and Kafka are not pinned).
+
+Figures per run: rows/s and MB/s over the **processing** interval (first row visible
+in ClickHouse -> all rows visible; JVM start-up excluded, reported apart), CPU seconds
+per million rows of the job's process tree (driver, JVM, Python workers; sampled from
+``/proc`` every 0.5 s) and of the servers, peak RSS of the job's process tree. Then a
+latency run: the job streaming, a producer at ``--latency-rate`` rows/s for
+``--latency-seconds``, and a probe row per 100 ms whose produce time is compared with
+the moment a poller (every 50 ms) first sees it in ClickHouse: p50/p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from aggregator.clickhouse.deadletters import dead_letter_ddl
+from bench.bench_limits import Servers, append_section
+from bench.workload import (
+    COLUMNS,
+    REPO_ROOT,
+    Rows,
+    ch_client,
+    create_topic,
+    produce,
+)
+from proto.envelope import make_envelope
+from tests.faults.workload import ROW_MESSAGE, row_descriptor_set, varint
+
+TICK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class RunResult:
+    mode: str
+    cores: int
+    block_rows: int
+    rows: int
+    startup_s: float
+    seconds: float
+    job_cpu_s: float
+    server_cpu_s: float
+    peak_rss_mib: float
+    row_bytes: float
+    exit_code: int
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds if self.seconds else 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.rows_per_s * self.row_bytes / 1e6
+
+    def line(self) -> str:
+        return (f"{self.mode:<14} cores={self.cores} block_rows={self.block_rows:>9,} "
+                f"{self.rows_per_s:>10,.0f} rows/s {self.mb_per_s:>6.1f} MB/s "
+                f"job cpu {self.job_cpu_s / self.rows * 1e6:>6.1f} s/Mrows "
+                f"servers {self.server_cpu_s / self.rows * 1e6:>5.1f} s/Mrows "
+                f"peak rss {self.peak_rss_mib:>6.0f} MiB  ({self.seconds:.1f} s + start-up "
+                f"{self.startup_s:.1f} s, exit {self.exit_code})")
+
+
+class TreeSampler:
+    """CPU and RSS of every process in a session (the job's), sampled from /proc."""
+
+    def __init__(self, sid: int) -> None:
+        self.sid = sid
+        self.cpu: dict[int, float] = {}
+        self.peak_rss = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop.is_set():
+            self.sample()
+            self.stop.wait(0.5)
+
+    def sample(self) -> None:
+        rss = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) != self.sid:
+                continue
+            pid = int(entry.name)
+            self.cpu[pid] = max(self.cpu.get(pid, 0.0),
+                                sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICK)
+            rss += int(fields[21]) * PAGE
+        self.peak_rss = max(self.peak_rss, rss)
+
+    def finish(self) -> tuple[float, float]:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        return sum(self.cpu.values()), self.peak_rss / 2**20
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.bootstrap = os.environ["BLOCKAGG_BOOTSTRAP_SERVERS"]
+        self.host = os.environ.get("BLOCKAGG_CH_HOST", "127.0.0.1")
+        self.ports = [int(p) for p in os.environ["BLOCKAGG_CH_PORTS"].split(",")]
+        self.jars = os.environ["BLOCKAGG_SPARK_JARS"]
+        self.run_id = uuid.uuid4().hex[:6]
+        self.database = f"e2e_{self.run_id}"
+        self.rows = Rows(args.rows, args.tables, args.rows_per_message, args.partitions,
+                         args.seed, self.database)
+        self.topic = f"e2e-{self.run_id}"
+        self.schema_topic = f"_blockagg_schemas_e2e_{self.run_id}"
+        self.folder = Path(args.folder or f"/tmp/blockagg-e2e-{self.run_id}")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.clients = [ch_client(self.host, p) for p in self.ports]
+        self.servers = Servers(("clickhouse-r1", "clickhouse-r2", "kafka"))
+        self.generation = 0
+
+    def table_names(self) -> list[str]:
+        return [f"t{i:03d}" for i in range(self.args.tables)] + ["probe"]
+
+    def register(self) -> None:
+        from proto.registry import KafkaStore, MemoryStore, register
+
+        fds = row_descriptor_set()
+        memory = MemoryStore()
+        for name in self.table_names():
+            register(memory, f"{self.database}.{name}", ROW_MESSAGE, fds)
+        store = KafkaStore({"bootstrap.servers": self.bootstrap}, self.schema_topic)
+        store.ensure_topic()
+        for key, value in memory.read():
+            assert key is not None and value is not None
+            store.write(key, value)
+
+    def fresh_tables(self) -> None:
+        """Drop and re-create every table on new ZooKeeper paths."""
+        self.generation += 1
+        g = self.generation
+        for c in self.clients:
+            c.execute(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+            for name in [*self.table_names(), "dead_letters"]:
+                c.execute(f"DROP TABLE IF EXISTS {self.database}.{name}")
+            for name in self.table_names():
+                c.execute(
+                    f"CREATE TABLE {self.database}.{name} ({COLUMNS}) ENGINE = "
+                    f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{self.database}/g{g}/"
+                    f"{name}', '{{replica}}') ORDER BY id")
+            c.execute(dead_letter_ddl(
+                f"{self.database}.dead_letters",
+                zk_path=f"/clickhouse/tables/{{shard}}/{self.database}/g{g}/dead_letters"))
+
+    def config(self, block_rows: int, tag: str) -> tuple[Path, str]:
+        group = f"e2e-{self.run_id}-{tag}"
+        path = self.folder / f"{tag}.toml"
+        replicas = ", ".join(f'"127.0.0.1:{p}"' for p in self.ports)
+        path.write_text(f"""
+[job]
+name = "{group}"
+metadata_group_id = "{group}"
+checkpoint_location = "{self.folder / ('cp-' + tag)}"
+trigger_interval = "{self.args.trigger}"
+starting_offsets = "earliest"
+{f'max_offsets_per_trigger = {self.args.max_offsets}' if self.args.max_offsets else ''}
+
+[[topics]]
+name = "{self.topic}"
+replicas = [{replicas}]
+
+[blocks]
+max_rows = {block_rows}
+max_bytes = "256MiB"
+
+[clickhouse]
+database = "{self.database}"
+insert_quorum = {self.args.quorum}
+
+[kafka]
+"bootstrap.servers" = "{self.bootstrap}"
+
+[schemas]
+topic = "{self.schema_topic}"
+
+[dead_letters]
+table = "{self.database}.dead_letters"
+
+[metrics]
+port = 0
+""")
+        return path, group
+
+    def start_job(self, config: Path, mode: str, cores: int, until_caught_up: bool,
+                  log: Path) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        env.update({
+            "PYTHONPATH": str(REPO_ROOT), "BLOCKAGG_LOG_FORMAT": "text",
+            "PYSPARK_SUBMIT_ARGS": (f"--master local[{cores}] --driver-memory 2g "
+                                    f"--jars {self.jars} --conf spark.ui.enabled=false "
+                                    "--conf spark.driver.host=127.0.0.1 "
+                                    "--conf spark.driver.bindAddress=127.0.0.1 pyspark-shell"),
+        })
+        if mode == "at_least_once":
+            env["BLOCKAGG_COMPONENTS"] = "bench.e2e_components:at_least_once"
+        else:
+            env.pop("BLOCKAGG_COMPONENTS", None)
+        cpus = ",".join(str(i) for i in range(cores))
+        cmd = ["taskset", "-c", cpus, sys.executable, str(REPO_ROOT / "spark" / "job.py"),
+               "--config", str(config)]
+        if until_caught_up:
+            cmd.append("--until-caught-up")
+        with open(log, "wb") as out:
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    cwd=REPO_ROOT, start_new_session=True)
+
+    def count(self) -> int:
+        total = 0
+        for name in self.table_names():
+            total += int(self.clients[0].execute(
+                f"SELECT count() FROM {self.database}.{name}")[0][0])
+        return total
+
+    def one_run(self, mode: str, cores: int, block_rows: int) -> RunResult:
+        self.fresh_tables()
+        tag = f"{mode}-{cores}-{block_rows}-{self.generation}"
+        config, _ = self.config(block_rows, tag)
+        log = self.folder / f"{tag}.log"
+        s0 = self.servers.cpu()
+        t0 = time.perf_counter()
+        proc = self.start_job(config, mode, cores, True, log)
+        sampler = TreeSampler(proc.pid)
+        first = None
+        n = 0
+        deadline = time.monotonic() + self.args.timeout
+        while n < self.rows.rows and time.monotonic() < deadline:
+            time.sleep(0.25)
+            n = self.count()
+            if n and first is None:
+                first = time.perf_counter()
+            if proc.poll() is not None and n < self.rows.rows:
+                time.sleep(1)
+                n = self.count()
+                break
+        done = time.perf_counter()
+        s1 = self.servers.cpu()
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait(30)
+        cpu, rss = sampler.finish()
+        if n != self.rows.rows:
+            print(f"{tag}: {n} of {self.rows.rows} rows (exit {proc.returncode}); log {log}",
+                  file=sys.stderr)
+        start = first if first is not None else done
+        return RunResult(mode, cores, block_rows, n, start - t0, done - start, cpu, s1 - s0,
+                         rss, self.rows.encoded_row_bytes, code)
+
+    def latency(self, block_rows: int) -> dict[str, float]:
+        """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""
+        self.fresh_tables()
+        tag = f"latency-{self.generation}"
+        topic = f"{self.topic}-lat"
+        create_topic(self.bootstrap, topic, self.args.partitions)
+        saved, self.topic = self.topic, topic
+        config, _ = self.config(block_rows, tag)
+        self.topic = saved
+        proc = self.start_job(config, "exactly_once", 2, False, self.folder / f"{tag}.log")
+        from confluent_kafka import Producer
+
+        producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 5,
+                             "enable.idempotence": True})
+        sent: dict[int, float] = {}
+        seen: dict[int, float] = {}
+        stop = threading.Event()
+
+        def poll() -> None:
+            client = ch_client(self.host, self.ports[0])
+            while not stop.is_set():
+                low = min((i for i in sent if i not in seen), default=None)
+                if low is not None:
+                    for (i,) in client.execute(
+                            f"SELECT id FROM {self.database}.probe WHERE id >= {low}"):
+                        seen.setdefault(int(i), time.time())
+                stop.wait(0.05)
+
+        # wait until the job runs (first probe visible), then measure
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        tail = self.rows.pool[0].tail
+        next_id = 10**12
+        probe = 0
+        warm_deadline = time.monotonic() + 300
+        measured_from = None
+        started = time.monotonic()
+        rate = self.args.latency_rate
+        per_tick = max(1, int(rate * 0.1 / self.args.rows_per_message))
+        m = 0
+        while True:
+            now = time.monotonic()
+            if measured_from is None:
+                if seen or now > warm_deadline:
+                    measured_from = now
+                    sent.clear()
+                    seen.clear()
+            elif now - measured_from > self.args.latency_seconds:
+                break
+            for _ in range(per_tick):
+                rows = [b"\x08" + varint(next_id + k) + tail
+                        for k in range(self.args.rows_per_message)]
+                next_id += self.args.rows_per_message
+                producer.produce(topic, value=make_envelope(self.rows.table(m), rows, 1),
+                                 partition=m % self.args.partitions)
+                m += 1
+            probe += 1
+            producer.produce(topic, value=make_envelope(
+                f"{self.database}.probe", [b"\x08" + varint(probe) + tail], 1),
+                partition=probe % self.args.partitions)
+            sent[probe] = time.time()
+            producer.poll(0)
+            time.sleep(max(0.0, 0.1 - (time.monotonic() - now)))
+        producer.flush(60)
+        wait_end = time.monotonic() + 60
+        while time.monotonic() < wait_end and len(seen) < len(sent):
+            time.sleep(0.2)
+        stop.set()
+        poller.join(5)
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        lat = sorted(seen[i] - sent[i] for i in sent if i in seen)
+        if not lat:
+            return {"probes": len(sent), "seen": 0}
+        return {"probes": len(sent), "seen": len(lat), "rate_rows_s": rate,
+                "p50_s": lat[len(lat) // 2], "p99_s": lat[min(len(lat) - 1,
+                                                              int(len(lat) * 0.99))],
+                "max_s": lat[-1], "seconds": round(time.monotonic() - started, 1)}
+
+
+def plot(results: list[RunResult], limits: dict[str, Any] | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels, values = [], []
+    if limits:
+        for r in limits["results"]:
+            labels.append(r["name"].replace("ClickHouse ", "CH "))
+            values.append(r["rows_per_s"])
+    for r in results:
+        if r.cores == 2 and r.block_rows == results[0].block_rows:
+            labels.append(f"blockagg {r.mode.replace('_', '-')}")
+            values.append(r.rows_per_s)
+    ax1.barh(labels, values, color="tab:blue")
+    ax1.set_xscale("log")
+    ax1.set_xlabel("rows/s (log scale)")
+    ax1.set_title("Same rows, same machine, one run")
+    for y, v in enumerate(values):
+        ax1.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+    for mode in ("exactly_once", "at_least_once"):
+        pts = sorted((r.block_rows, r.rows_per_s) for r in results
+                     if r.mode == mode and r.cores == 2)
+        if len(pts) > 1:
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ones = [r for r in results if r.cores == 1]
+    for r in ones:
+        ax2.scatter([r.block_rows], [r.rows_per_s], marker="x", color="k",
+                    label=f"{r.mode}, 1 core")
+    ax2.set_xscale("log")
+    ax2.set_xlabel("blocks.max_rows")
+    ax2.set_ylabel("rows/s")
+    ax2.set_title("blockagg throughput vs block size (2 cores)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=2_000_000)
+    ap.add_argument("--tables", type=int, default=100)
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--rows-per-message", type=int, default=10)
+    ap.add_argument("--block-rows", default="100000", help="comma list; the first is the "
+                    "size of the mode and cores comparison")
+    ap.add_argument("--cores", default="2,1")
+    ap.add_argument("--modes", default="exactly_once,at_least_once")
+    ap.add_argument("--quorum", type=int, default=0)
+    ap.add_argument("--trigger", default="1s")
+    ap.add_argument("--max-offsets", type=int, default=0)
+    ap.add_argument("--latency-rate", type=float, default=20_000)
+    ap.add_argument("--latency-seconds", type=float, default=30)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--folder")
+    ap.add_argument("--limits-json", type=Path, help="bench_limits --json output to plot along")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--append", action="store_true")
+    args = ap.parse_args(argv)
+
+    bench = Bench(args)
+    bench.fresh_tables()
+    bench.register()
+    create_topic(bench.bootstrap, bench.topic, args.partitions)
+    print(f"producing {args.rows:,} rows ...", file=sys.stderr)
+    _, size, _ = produce(bench.bootstrap, bench.topic, bench.rows.envelopes())
+    sizes = [int(b) for b in args.block_rows.split(",")]
+    modes = args.modes.split(",")
+    cores = [int(c) for c in args.cores.split(",")]
+    plan = [(m, cores[0], sizes[0]) for m in modes]
+    plan += [("exactly_once", cores[0], b) for b in sizes[1:]]
+    plan += [(m, c, sizes[0]) for c in cores[1:] for m in modes[:1]]
+    results = []
+    for mode, c, b in plan:
+        r = bench.one_run(mode, c, b)
+        print(r.line(), file=sys.stderr, flush=True)
+        results.append(r)
+    latency = bench.latency(sizes[0]) if args.latency_seconds > 0 else {}
+    eo = next((r for r in results if r.mode == "exactly_once" and r.cores == cores[0]
+               and r.block_rows == sizes[0]), None)
+    alo = next((r for r in results if r.mode == "at_least_once" and r.cores == cores[0]
+                and r.block_rows == sizes[0]), None)
+    lines = [f"rows={args.rows:,} tables={args.tables} partitions={args.partitions} "
+             f"rows/message={args.rows_per_message} row_bytes={bench.rows.encoded_row_bytes:.1f}"
+             f" topic_MB={size / 1e6:,.0f} quorum={args.quorum} trigger={args.trigger}",
+             *(r.line() for r in results)]
+    if eo and alo and alo.rows_per_s:
+        lines.append(f"exactly-once / at-least-once throughput: "
+                     f"{eo.rows_per_s / alo.rows_per_s:.2f}")
+    limits = json.loads(args.limits_json.read_text()) if args.limits_json else None
+    if limits and eo:
+        for r in limits["results"]:
+            lines.append(f"exactly-once / {r['name']}: {eo.rows_per_s / r['rows_per_s']:.2f}")
+    if latency:
+        lines.append("latency (exactly-once, streaming): " + json.dumps(
+            {k: round(v, 3) if isinstance(v, float) else v for k, v in latency.items()}))
+    text = "\n".join(lines)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"results": [
+            {**asdict(r), "rows_per_s": r.rows_per_s, "mb_per_s": r.mb_per_s}
+            for r in results], "latency": latency, "limits": limits}, indent=1))
+    if args.plot:
+        plot(results, limits, args.plot)
+    if args.append:
+        command = "python -m bench.bench_e2e " + " ".join(
+            a for a in (argv if argv is not None else sys.argv[1:]) if a != "--append")
+        append_section("blockagg end to end", command, text)
+    for c in bench.clients:
+        c.execute(f"DROP DATABASE IF EXISTS {bench.database}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""The limits, measured in one run on the same rows: ``python -m bench.bench_limits``.
+
+* **raw consume**: librdkafka (confluent-kafka) reads every message of the envelope
+  topic, no decode: the ceiling of any Kafka consumer on this machine.
+* **raw insert**: clickhouse-driver inserts the same rows from prepared columns (no
+  Kafka, no decode) in blocks of ``--block-rows`` into a ``ReplicatedMergeTree`` of the
+  same 10-column shape: the ceiling of any ClickHouse writer.
+* **Kafka engine**: ClickHouse 18.16's own ``ENGINE = Kafka`` (bundled librdkafka)
+  reads the same rows as JSONEachRow from a topic with the same partitions and rows
+  per message, through a materialized view into one table of the same shape (it can't
+  route one topic to many tables: that is why blockagg exists). The group's offsets
+  are committed at 0 before the engine starts, because 18.16's consumer starts a new
+  group at the end (librdkafka's default ``auto.offset.reset=largest``).
+
+Rows/s and MB/s use the same row count and the same byte size per row (the envelope's
+encoded protobuf row) for every contender, so the figures compare. CPU is the client
+process's (RUSAGE_SELF) plus the server processes' (``/proc/<pid>/stat`` of ClickHouse
+r1 and r2, and of the broker) over the measured interval. Run against the stack the
+environment points at (``eval "$(scripts/stack env)"``); ``--append`` adds the result
+to ``docs/BENCHMARKS.md`` under ``## End to end``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.workload import (
+    COLUMN_NAMES,
+    COLUMNS,
+    REPO_ROOT,
+    Rows,
+    ch_client,
+    create_tables,
+    create_topic,
+    proc_cpu_seconds,
+    produce,
+    self_cpu_seconds,
+)
+from tests.faults.stack import StackControl
+
+
+@dataclass
+class Result:
+    name: str
+    rows: int
+    seconds: float
+    client_cpu_s: float
+    server_cpu_s: float
+    row_bytes: float
+    note: str = ""
+
+    @property
+    def rows_per_s(self) -> float:
+        return self.rows / self.seconds if self.seconds else 0.0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.rows_per_s * self.row_bytes / 1e6
+
+    @property
+    def cpu_s_per_mrows(self) -> float:
+        return (self.client_cpu_s + self.server_cpu_s) / self.rows * 1e6
+
+    def line(self) -> str:
+        return (f"{self.name:<26} {self.rows_per_s:>12,.0f} rows/s {self.mb_per_s:>7.1f} MB/s "
+                f"{self.seconds:>7.2f} s  cpu {self.cpu_s_per_mrows:>6.2f} s/Mrows "
+                f"(client {self.client_cpu_s:.1f} s, servers {self.server_cpu_s:.1f} s)"
+                f"{'  ' + self.note if self.note else ''}")
+
+
+class Servers:
+    """CPU seconds of the stack's server processes (pids from the stack's pid files)."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        control = StackControl(os.environ)
+        self.pids = {n: control.pid(n) for n in names}
+
+    def cpu(self) -> float:
+        return sum(proc_cpu_seconds(p) for p in self.pids.values() if p is not None)
+
+
+def measure(name: str, rows: int, row_bytes: float, servers: Servers,
+            fn: Callable[[], str]) -> Result:
+    c0, s0, t0 = self_cpu_seconds(), servers.cpu(), time.perf_counter()
+    note = fn()
+    t1, c1, s1 = time.perf_counter(), self_cpu_seconds(), servers.cpu()
+    return Result(name, rows, t1 - t0, c1 - c0, s1 - s0, row_bytes, note)
+
+
+def raw_consume(bootstrap: str, topic: str, partitions: int, messages: int,
+                timeout: float = 600) -> str:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"raw-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "fetch.max.bytes": 64 << 20,
+                         "max.partition.fetch.bytes": 16 << 20})
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    seen = size = 0
+    deadline = time.monotonic() + timeout
+    while seen < messages:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"raw consume: {seen} of {messages} after {timeout}s")
+        for msg in consumer.consume(10_000, 1.0):
+            if msg.error() is None:
+                seen += 1
+                size += len(msg.value() or b"")
+    consumer.close()
+    return f"{seen:,} messages, {size / 1e6:,.0f} MB of values"
+
+
+def raw_insert(rows: Rows, client: Any, table: str, block_rows: int, servers: Servers
+               ) -> Result:
+    """Each block's columns are built untimed, then only the ``INSERT`` is measured (so
+    10M rows never sit in memory as Python objects at once)."""
+    names = ", ".join(COLUMN_NAMES)
+    seconds = client_cpu = server_cpu = 0.0
+    blocks = 0
+    for first in range(1, rows.rows + 1, block_rows):
+        cols = rows.columns(first, min(first + block_rows - 1, rows.rows))
+        c0, s0, t0 = self_cpu_seconds(), servers.cpu(), time.perf_counter()
+        client.execute(f"INSERT INTO {table} ({names}) VALUES", cols, columnar=True)
+        seconds += time.perf_counter() - t0
+        client_cpu += self_cpu_seconds() - c0
+        server_cpu += servers.cpu() - s0
+        blocks += 1
+    return Result("raw ClickHouse insert", rows.rows, seconds, client_cpu, server_cpu,
+                  rows.encoded_row_bytes, f"{blocks} blocks of {block_rows:,} rows")
+
+
+def kafka_engine(rows: Rows, client: Any, bootstrap: str, topic: str, database: str,
+                 consumers: int, timeout: float) -> Callable[[], str]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    group = f"chkafka-{uuid.uuid4().hex[:8]}"
+    setter = Consumer({"bootstrap.servers": bootstrap, "group.id": group,
+                       "enable.auto.commit": False})
+    setter.commit(offsets=[TopicPartition(topic, p, 0) for p in range(rows.partitions)],
+                  asynchronous=False)
+    setter.close()
+    client.execute(f"CREATE TABLE {database}.kafka_dst ({COLUMNS}) ENGINE = ReplicatedMergeTree("
+                   f"'/clickhouse/tables/{{shard}}/{database}/kafka_dst', '{{replica}}') "
+                   "ORDER BY id")
+
+    def run() -> str:
+        client.execute(
+            f"CREATE TABLE {database}.kafka_src ({COLUMNS}) ENGINE = Kafka SETTINGS "
+            f"kafka_broker_list = '{bootstrap}', kafka_topic_list = '{topic}', "
+            f"kafka_group_name = '{group}', kafka_format = 'JSONEachRow', "
+            f"kafka_num_consumers = {consumers}")
+        client.execute(f"CREATE MATERIALIZED VIEW {database}.kafka_mv TO {database}.kafka_dst "
+                       f"AS SELECT * FROM {database}.kafka_src")
+        deadline = time.monotonic() + timeout
+        n = 0
+        while n < rows.rows:
+            if time.monotonic() > deadline:
+                return f"TIMEOUT: {n:,} of {rows.rows:,} rows after {timeout:.0f}s"
+            time.sleep(0.2)
+            n = int(client.execute(f"SELECT count() FROM {database}.kafka_dst")[0][0])
+        return f"{n:,} rows stored (at least once: {n - rows.rows} extra), {consumers} consumer(s)"
+
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=2_000_000)
+    ap.add_argument("--tables", type=int, default=100)
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--rows-per-message", type=int, default=10)
+    ap.add_argument("--block-rows", type=int, default=100_000)
+    ap.add_argument("--kafka-consumers", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--skip-kafka-engine", action="store_true")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", type=Path, help="also write the figures as JSON here")
+    ap.add_argument("--append", action="store_true", help="append to docs/BENCHMARKS.md")
+    args = ap.parse_args(argv)
+
+    bootstrap = os.environ["BLOCKAGG_BOOTSTRAP_SERVERS"]
+    host = os.environ.get("BLOCKAGG_CH_HOST", "127.0.0.1")
+    port = int(os.environ["BLOCKAGG_CH_PORTS"].split(",")[0])
+    run = uuid.uuid4().hex[:6]
+    database = f"bench_{run}"
+    rows = Rows(args.rows, args.tables, args.rows_per_message, args.partitions, args.seed,
+                database)
+    client = ch_client(host, port)
+    clients = [ch_client(host, int(p)) for p in os.environ["BLOCKAGG_CH_PORTS"].split(",")]
+    create_tables(clients, database, ["raw"])
+    env_topic, json_topic = f"bench-env-{run}", f"bench-json-{run}"
+    create_topic(bootstrap, env_topic, args.partitions)
+    create_topic(bootstrap, json_topic, args.partitions)
+    print(f"producing {rows.rows:,} rows ({rows.messages:,} messages) twice ...", file=sys.stderr)
+    _, env_bytes, env_s = produce(bootstrap, env_topic, rows.envelopes())
+    _, json_bytes, json_s = produce(bootstrap, json_topic, rows.json_messages())
+    servers = Servers(("clickhouse-r1", "clickhouse-r2", "kafka"))
+    rb = rows.encoded_row_bytes
+    results = [
+        measure("raw librdkafka consume", rows.rows, rb, servers,
+                lambda: raw_consume(bootstrap, env_topic, args.partitions, rows.messages)),
+        raw_insert(rows, client, f"{database}.raw", args.block_rows, servers),
+    ]
+    if not args.skip_kafka_engine:
+        results.append(measure(
+            "ClickHouse Kafka engine", rows.rows, rb, servers,
+            kafka_engine(rows, client, bootstrap, json_topic, database, args.kafka_consumers,
+                         args.timeout)))
+        client.execute(f"DROP TABLE IF EXISTS {database}.kafka_mv")
+        client.execute(f"DROP TABLE IF EXISTS {database}.kafka_src")
+    command = "python -m bench.bench_limits " + " ".join(
+        a for a in (argv if argv is not None else sys.argv[1:]) if a != "--append")
+    header = (f"rows={rows.rows:,} tables={args.tables} partitions={args.partitions} "
+              f"rows/message={args.rows_per_message} block_rows={args.block_rows:,} "
+              f"row_bytes={rb:.1f} (protobuf) envelope_MB={env_bytes / 1e6:,.0f} "
+              f"json_MB={json_bytes / 1e6:,.0f} produce_s={env_s:.1f}/{json_s:.1f}")
+    text = "\n".join([header, *(r.line() for r in results)])
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps({"header": header, "results": [
+            {**asdict(r), "rows_per_s": r.rows_per_s, "mb_per_s": r.mb_per_s,
+             "cpu_s_per_mrows": r.cpu_s_per_mrows} for r in results]}, indent=1))
+    if args.append:
+        append_section("Limits", command, text)
+    for c in clients:
+        c.execute(f"DROP DATABASE IF EXISTS {database}")
+    return 0
+
+
+def append_section(title: str, command: str, text: str) -> None:
+    """Append under ``## End to end`` in docs/BENCHMARKS.md (created if missing)."""
+    path = REPO_ROOT / "docs" / "BENCHMARKS.md"
+    doc = path.read_text()
+    if "## End to end" not in doc:
+        doc = doc.rstrip("\n") + "\n\n## End to end\n"
+    stamp = time.strftime("%Y-%m-%d")
+    doc = doc.rstrip("\n") + (
+        f"\n\n### {title}\n\n`{command}` (Python {platform.python_version()}, "
+        f"{platform.machine()}, {os.cpu_count()} cores, {stamp})\n\n```\n{text}\n```\n")
+    path.write_text(doc)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,234 @@
+"""The benchmark workload, shared by ``bench_limits`` and ``bench_e2e``: the same rows
+for every contender, built once per run from a seed.
+
+Rows are ``bench/row.proto``'s 10-field ``Event`` (the same 10 columns in ClickHouse,
+:data:`tests.faults.workload.COLUMNS`). Row ``i`` has id ``i`` (1-based) and the other
+nine fields of pool entry ``i % POOL`` (seeded), so every representation can be built
+without materialising Python objects per row: protobuf (field 1 + a pre-serialized
+tail), JSON lines (for ClickHouse's Kafka engine), and columns (for the raw insert).
+Messages carry ``rows_per_message`` consecutive rows of one table; tables are chosen
+round-robin, messages go to partitions round-robin.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from proto.descriptors import compile_proto, load_descriptor, message_class  # noqa: E402
+from proto.envelope import make_envelope  # noqa: E402
+from tests.faults.workload import COLUMNS, varint  # noqa: E402
+
+POOL = 1024
+KINDS = ("KIND_UNSPECIFIED", "KIND_VIEW", "KIND_CLICK", "KIND_BUY")
+COLUMN_NAMES = ("id", "user", "delta", "price", "score", "name", "country", "time", "kind",
+                "tags")
+__all__ = ["COLUMNS", "COLUMN_NAMES", "Rows", "stack_env"]
+
+
+@dataclass(frozen=True)
+class PoolEntry:
+    tail: bytes
+    values: tuple[Any, ...]  # user, delta, price, score, name, country, time, kind, tags
+
+
+def make_pool(seed: int) -> list[PoolEntry]:
+    cls: Any = message_class(load_descriptor(compile_proto(REPO_ROOT / "bench" / "row.proto"),
+                                             "blockagg.bench.Event"))
+    rng = random.Random(seed)
+    countries = ["DE", "FR", "US", "JP", "BR", "IN", "", "GB"]
+    out = []
+    for i in range(POOL):
+        m = cls()
+        m.user = rng.randrange(0, 5_000_000)
+        m.delta = rng.randrange(-10_000, 10_000)
+        m.price = rng.random() * 1000
+        m.score = rng.random()
+        m.name = f"user-{rng.randrange(100000)}-event"
+        m.country = rng.choice(countries)
+        m.time.seconds = 1_700_000_000 + i
+        m.kind = rng.randrange(4)
+        m.tags.extend(rng.randrange(1 << 40) for _ in range(rng.randrange(4)))
+        # float32 round trip so the column value equals what protobuf carries
+        score = cls.FromString(m.SerializeToString()).score
+        out.append(PoolEntry(m.SerializeToString(), (
+            m.user, m.delta, m.price, score, m.name, m.country, m.time.seconds,
+            KINDS[m.kind], list(m.tags))))
+    return out
+
+
+@dataclass
+class Rows:
+    """``rows`` rows over ``tables`` tables of database ``database``."""
+
+    rows: int
+    tables: int
+    rows_per_message: int
+    partitions: int
+    seed: int
+    database: str = "bench"
+
+    def __post_init__(self) -> None:
+        self.pool = make_pool(self.seed)
+
+    @property
+    def messages(self) -> int:
+        return -(-self.rows // self.rows_per_message)
+
+    def table(self, m: int) -> str:
+        return f"{self.database}.t{m % self.tables:03d}"
+
+    def message_ids(self, m: int) -> range:
+        first = m * self.rows_per_message + 1
+        return range(first, min(first + self.rows_per_message, self.rows + 1))
+
+    def envelopes(self) -> Iterator[tuple[int, bytes]]:
+        """(partition, envelope value) per message."""
+        pool = self.pool
+        for m in range(self.messages):
+            rows = [b"\x08" + varint(i) + pool[i % POOL].tail for i in self.message_ids(m)]
+            yield m % self.partitions, make_envelope(self.table(m), rows, version=1)
+
+    def json_messages(self) -> Iterator[tuple[int, bytes]]:
+        """(partition, JSONEachRow lines) per message: the same rows for the Kafka engine."""
+        pool = self.pool
+        lines = []
+        for entry in pool:
+            u, d, p, s, name, country, t, kind, tags = entry.values
+            lines.append(json.dumps({
+                "user": u, "delta": d, "price": p, "score": s, "name": name,
+                "country": country, "time": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t)),
+                "kind": kind, "tags": tags})[1:])
+        for m in range(self.messages):
+            text = "\n".join(f'{{"id":{i},{lines[i % POOL]}' for i in self.message_ids(m))
+            yield m % self.partitions, text.encode()
+
+    def columns(self, first: int, last: int) -> list[list[Any]]:
+        """Columns of rows ``first..last`` (1-based, inclusive), in :data:`COLUMN_NAMES`."""
+        from datetime import UTC, datetime
+
+        ids = list(range(first, last + 1))
+        entries = [self.pool[i % POOL].values for i in ids]
+        cols: list[list[Any]] = [ids]
+        for k in range(9):
+            col = [e[k] for e in entries]
+            if k == 6:
+                col = [datetime.fromtimestamp(v, tz=UTC).replace(tzinfo=None)
+                       for v in col]
+            cols.append(col)
+        return cols
+
+    @property
+    def encoded_row_bytes(self) -> float:
+        tails = sum(len(e.tail) for e in self.pool) / POOL
+        return tails + 1 + len(varint(self.rows // 2))
+
+
+def stack_env() -> dict[str, str]:
+    """Addresses of the stack the environment points at (``scripts/stack env``)."""
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "scripts" / "stack"), "env"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    env: dict[str, str] = {}
+    for line in out.splitlines():
+        if line.startswith("export ") and "=" in line:
+            key, _, value = line[len("export "):].partition("=")
+            env[key] = value.strip("'\"")
+    return env
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its waited-for children, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks
+
+
+def self_cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def produce(bootstrap: str, topic: str, messages: Iterator[tuple[int, bytes]],
+            timeout: float = 600) -> tuple[int, int, float]:
+    """Produce and wait for every delivery; returns (messages, bytes, seconds)."""
+    from confluent_kafka import Producer
+
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
+                         "acks": "all", "linger.ms": 50, "batch.size": 1 << 20,
+                         "compression.type": "lz4", "queue.buffering.max.messages": 2_000_000,
+                         "queue.buffering.max.kbytes": 1 << 21})
+    failures: list[str] = []
+
+    def done(err: Any, msg: Any) -> None:
+        if err is not None:
+            failures.append(str(err))
+
+    n = size = 0
+    started = time.perf_counter()
+    for partition, value in messages:
+        while True:
+            try:
+                producer.produce(topic, value=value, partition=partition, on_delivery=done)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        n += 1
+        size += len(value)
+        if n % 1000 == 0:
+            producer.poll(0)
+    left = producer.flush(timeout)
+    if left or failures:
+        raise RuntimeError(f"produce to {topic}: {left} undelivered, failures {failures[:3]}")
+    return n, size, time.perf_counter() - started
+
+
+def create_topic(bootstrap: str, topic: str, partitions: int, timeout: float = 60) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for fut in admin.create_topics([NewTopic(topic, num_partitions=partitions,
+                                             replication_factor=1)]).values():
+        fut.result(timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        md = admin.list_topics(topic, timeout=10).topics.get(topic)
+        if md is not None and md.error is None and len(md.partitions) == partitions \
+                and all(p.leader >= 0 for p in md.partitions.values()):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"topic {topic}: no leaders after {timeout}s")
+
+
+def ch_client(host: str, port: int, **settings: Any) -> Any:
+    from clickhouse_driver import Client
+
+    return Client(host, port=port, connect_timeout=10, send_receive_timeout=600,
+                  settings=settings)
+
+
+def create_tables(clients: Sequence[Any], database: str, names: Sequence[str],
+                  replicated: bool = True) -> None:
+    for c in clients:
+        c.execute(f"CREATE DATABASE IF NOT EXISTS {database}")
+        for name in names:
+            engine = (f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/{name}', "
+                      "'{replica}')" if replicated else "MergeTree()")
+            c.execute(f"CREATE TABLE IF NOT EXISTS {database}.{name} ({COLUMNS}) "
+                      f"ENGINE = {engine} ORDER BY id")

@@ -1,0 +1,323 @@
+"""Running the real job under faults, and the long run: ``python -m tests.faults.driver``.
+
+:class:`Job` runs ``spark/job.py`` as a plain Python driver process (pyspark starts
+the JVM as its child, in the same session, so ``killpg`` is a kill -9 of the whole
+job) against the suite's private stack, with its ClickHouse replicas reached through
+two :class:`~tests.faults.proxy.FaultProxy` (one per replica) and the task hooks of
+:mod:`tests.faults.hooks` installed. A job that exits (a batch failed, e.g. because
+ClickHouse refused inserts for longer than the writer's retries) is restarted by
+:meth:`Job.ensure_running`, as a supervisor (systemd, Kubernetes) would.
+
+:func:`inject` applies one named fault (:data:`KINDS`, the issue's list) and recovers
+from it (restart what died, restore the network); :func:`run` mixes them at random
+(seeded) while a producer writes the multi-table stream, then waits until every row
+is in ClickHouse and runs the checker. The invariant checked at the end, whatever
+happened: every delivered row exactly once per table on both replicas, every dead
+letter exactly once, ``arv verify`` clean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.faults import checker, hooks
+from tests.faults.proxy import FaultProxy, Mode
+from tests.faults.stack import REPO_ROOT, StackControl, fault_stack_env
+from tests.faults.workload import Workload
+
+KINDS = (
+    "driver_kill9",          # 1. kill -9 of the driver at a random moment
+    "task_after_commit",     # 2a. task fails after the metadata commit, before the insert
+    "task_after_insert",     # 2b. after the insert, before the next commit
+    "task_between_blocks",   # 2c. between two blocks of one batch
+    "lost_ack",              # 3. insert applied, acknowledgement lost (proxy)
+    "replica_kill9",         # 4. a ClickHouse replica killed and restarted
+    "zookeeper_down",        # 5. ZooKeeper unreachable for a while
+    "broker_kill9",          # 6. the Kafka broker killed and restarted
+    "checkpoint_deleted",    # 7. the Spark checkpoint deleted between runs
+    "commit_fails",          # 8. a metadata commit fails after some blocks of a batch
+)
+
+_HOOK_STEP = {"task_after_commit": "after_commit", "task_after_insert": "after_insert",
+              "task_between_blocks": "between_blocks", "commit_fails": "commit_fails"}
+
+
+@dataclass
+class Job:
+    """One job configuration (group, checkpoint) and its current driver process."""
+
+    workload: Workload
+    stack: StackControl
+    folder: Path
+    master: str = "local[2,4]"
+    extra_toml: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    exits: list[int] = field(default_factory=list)
+    step: str = ""
+
+    def __post_init__(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.proxies = [FaultProxy(p) for p in self.stack.ch_ports]
+        self.hook_dir = self.folder / "hooks"
+        self.checkpoint = self.folder / "checkpoint"
+        self.config = self.workload.job_config(
+            self.folder / "blockagg.toml", self.checkpoint,
+            [f"127.0.0.1:{p.port}" for p in self.proxies], extra=self.extra_toml)
+        self.log = self.folder / "job.log"
+        self.jars = self.stack.exported().get("BLOCKAGG_SPARK_JARS", "")
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "PYTHONPATH": str(REPO_ROOT),
+            "BLOCKAGG_COMPONENTS": "tests.faults.hooks:from_env",
+            "BLOCKAGG_FAULT_DIR": str(self.hook_dir),
+            "BLOCKAGG_FAULT_STEP": self.step,
+            "BLOCKAGG_LOG_FORMAT": "text",
+            "PYSPARK_SUBMIT_ARGS": (f"--master {self.master} --jars {self.jars} "
+                                    "--conf spark.ui.enabled=false "
+                                    "--conf spark.driver.host=127.0.0.1 "
+                                    "--conf spark.driver.bindAddress=127.0.0.1 pyspark-shell"),
+        })
+        return env
+
+    def start(self) -> None:
+        assert self.proc is None or self.proc.poll() is not None
+        with open(self.log, "ab") as out:
+            out.write(f"\n===== start {self.starts} {time.strftime('%T')} =====\n".encode())
+            out.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, str(REPO_ROOT / "spark" / "job.py"), "--config",
+                 str(self.config)], stdout=out, stderr=subprocess.STDOUT, env=self.env(),
+                cwd=REPO_ROOT, start_new_session=True)
+        self.starts += 1
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ensure_running(self) -> bool:
+        """Restart the job if it exited; True if it had to."""
+        if self.alive():
+            return False
+        if self.proc is not None and self.proc.returncode is not None:
+            self.exits.append(self.proc.returncode)
+        self.start()
+        return True
+
+    def kill9(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(60)
+        self.exits.append(-9)
+
+    def stop(self, timeout: float = 120) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+
+    def arm(self, step: str) -> None:
+        """Arm a task hook: the job is restarted with ``step`` so its workers see it."""
+        shutil.rmtree(self.hook_dir, ignore_errors=True)
+        self.hook_dir.mkdir(parents=True)
+        if self.step != step:
+            self.step = step
+            self.stop()
+            self.start()
+        (self.hook_dir / "armed").touch()
+
+    def close(self) -> None:
+        self.kill9()
+        for proxy in self.proxies:
+            proxy.close()
+
+    def tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _wait(cond: Any, timeout: float, poll: float = 0.5) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(poll)
+    return bool(cond())
+
+
+def inject(kind: str, job: Job, stack: StackControl, rng: random.Random) -> dict[str, Any]:
+    """Inject one fault and recover from it; returns what was done and when the
+    recovery (restart / network restored) completed, for time-to-recover."""
+    started = time.monotonic()
+    info: dict[str, Any] = {"kind": kind}
+    if kind == "driver_kill9":
+        time.sleep(rng.uniform(0, 3))
+        job.kill9()
+        job.start()
+    elif kind in _HOOK_STEP:
+        job.arm(_HOOK_STEP[kind])
+        info["fired"] = _wait(lambda: hooks.fired(job.hook_dir) >= 1, 120)
+        job.ensure_running()
+    elif kind == "lost_ack":
+        proxy = job.proxies[0]
+        before = proxy.stats.dropped_responses
+        proxy.drop_responses(count=1, min_request_bytes=4096)
+        info["fired"] = proxy.wait_dropped(before + 1, 120)
+        proxy.set_mode(Mode.FORWARD)
+    elif kind == "replica_kill9":
+        name = rng.choice(["clickhouse-r1", "clickhouse-r2"])
+        info["replica"] = name
+        stack.kill9(name)
+        time.sleep(rng.uniform(2, 8))
+        stack.up()
+    elif kind == "zookeeper_down":
+        seconds = rng.uniform(10, 25)
+        info["seconds"] = round(seconds, 1)
+        stack.unreachable_for("zookeeper", seconds)
+    elif kind == "broker_kill9":
+        stack.kill9("kafka")
+        time.sleep(rng.uniform(1, 5))
+        stack.up()
+    elif kind == "checkpoint_deleted":
+        job.stop()
+        shutil.rmtree(job.checkpoint, ignore_errors=True)
+        job.start()
+    else:
+        raise ValueError(f"unknown fault kind {kind!r}; known: {KINDS}")
+    info["inject_s"] = round(time.monotonic() - started, 1)
+    return info
+
+
+@dataclass
+class Outcome:
+    faults: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    recover_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    events: list[dict[str, Any]] = field(default_factory=list)
+    report: checker.Report | None = None
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        def stats(xs: list[float]) -> dict[str, float]:
+            ys = sorted(xs)
+            return {"n": len(ys), "median": ys[len(ys) // 2], "max": ys[-1]} if ys else {}
+
+        return {"faults": dict(self.faults),
+                "recover_s": {k: stats(v) for k, v in self.recover_s.items()},
+                "check": self.report.summary() if self.report else None,
+                "seconds": round(self.seconds, 1)}
+
+
+def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed: int,
+        folder: Path, tables: int = 20, partitions: int = 4, rows_per_message: int = 10,
+        dead_every: int = 97, settle_s: float = 180, catch_up_s: float = 900,
+        rate: float = 0.0) -> tuple[Outcome, Workload, Job]:
+    """``faults`` faults drawn (seeded) from ``kinds`` while ``messages`` are produced;
+    after each fault the job is kept running and must catch up with everything
+    produced so far within ``settle_s`` (that wait is the time to recover)."""
+    rng = random.Random(seed)
+    workload = Workload(stack.bootstrap, "127.0.0.1", stack.ch_ports, tables=tables,
+                        partitions=partitions, rows_per_message=rows_per_message,
+                        dead_every=dead_every, seed=seed)
+    workload.setup()
+    job = Job(workload, stack, folder)
+    outcome = Outcome()
+    started = time.monotonic()
+    per_fault = max(1, messages // max(1, faults + 1))
+    lock = threading.Lock()
+    try:
+        workload.produce(per_fault, rate=rate)
+        job.start()
+        for n in range(faults):
+            kind = kinds[n % len(kinds)] if n < len(kinds) else rng.choice(kinds)
+            with lock:
+                producer = threading.Thread(target=workload.produce, args=(per_fault,),
+                                            kwargs={"rate": rate}, daemon=True)
+                producer.start()
+                info = inject(kind, job, stack, rng)
+                producer.join(timeout=600)
+            job.ensure_running()
+            recovered = time.monotonic()
+            took = _wait_caught_up(workload, job, settle_s)
+            info["recover_s"] = None if took is None else round(time.monotonic() - recovered, 1)
+            outcome.faults[kind] += 1
+            if took is not None:
+                outcome.recover_s[kind].append(time.monotonic() - recovered)
+            outcome.events.append(info)
+            print(json.dumps(info), file=sys.stderr, flush=True)
+        workload.produce(messages - per_fault * (faults + 1) if
+                         messages > per_fault * (faults + 1) else 0)
+        if _wait_caught_up(workload, job, catch_up_s) is None:
+            print(f"not caught up after {catch_up_s}s; job log:\n{job.tail()}", file=sys.stderr)
+        job.stop()
+        outcome.report = checker.check(workload)
+    finally:
+        job.close()
+        outcome.seconds = time.monotonic() - started
+    return outcome, workload, job
+
+
+def _wait_caught_up(workload: Workload, job: Job, timeout: float) -> float | None:
+    """Poll until caught up, restarting the job whenever it exited."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        job.ensure_running()
+        if checker.caught_up(workload, timeout=5, poll=1) is not None:
+            return time.monotonic() - started
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="The long fault run (docs/RELIABILITY.md).")
+    ap.add_argument("--faults", type=int, default=1000)
+    ap.add_argument("--messages", type=int, default=1_000_000)
+    ap.add_argument("--rows-per-message", type=int, default=10)
+    ap.add_argument("--tables", type=int, default=20)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--folder", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    stack = StackControl(fault_stack_env())
+    stack.up()
+    folder = args.folder or Path(tempfile.mkdtemp(prefix="blockagg-faults-"))
+    kinds = [k for k in args.kinds.split(",") if k]
+    outcome, _, _ = run(stack, kinds, args.faults, args.messages, args.seed, folder,
+                               tables=args.tables, partitions=args.partitions,
+                               rows_per_message=args.rows_per_message)
+    summary = outcome.summary()
+    text = json.dumps(summary, indent=1, sort_keys=True)
+    print(text)
+    if args.json:
+        args.json.write_text(text)
+    report = outcome.report
+    if report is not None and not report.ok:
+        print("\n".join(report.problems()), file=sys.stderr)
+    return 0 if report is not None and report.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""Fail a task at a chosen protocol step, without touching the job's code.
+
+The job takes its adapters from ``BLOCKAGG_COMPONENTS=module:attr`` (``spark/job.py``,
+:func:`spark.components.load_components`). ``BLOCKAGG_COMPONENTS=tests.faults.hooks:from_env``
+wraps the real adapters (or those named by ``BLOCKAGG_FAULT_INNER``) so that a task
+fails at one step of the protocol:
+
+* ``after_commit``: the metadata commit succeeded, the insert it announces has not
+  been sent (the intent is recorded; the retry must REPLAY the identical block);
+* ``after_insert``: a block was acknowledged, the next commit has not been made (the
+  retry sends the same block again; ClickHouse must drop it);
+* ``between_blocks``: the second block of one partition's batch is about to be
+  inserted, the first one is in (a batch half delivered);
+* ``commit_fails``: a metadata commit raises as if the broker were unreachable, after
+  a block of the partition was inserted since its previous commit.
+
+Control is by files, because tasks run in Spark's Python worker processes:
+``BLOCKAGG_FAULT_DIR/armed`` must exist (the test creates it at the moment of its
+choosing) and each failure claims ``fired-<n>`` with ``O_EXCL`` for ``n <
+BLOCKAGG_FAULT_TIMES`` (default 1), so exactly that many failures happen over all
+processes and retries. ``BLOCKAGG_FAULT_ACTION=raise`` (default: the task fails and
+Spark retries it) or ``exit`` (the Python worker dies with ``os._exit``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aggregator.config import Config, TopicConfig
+from aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
+from spark.components import Components, DefaultComponents, TableRegistry, load_components
+
+STEPS = ("after_commit", "after_insert", "between_blocks", "commit_fails")
+
+
+class InjectedFault(RuntimeError):
+    """The failure a hook raises; its message names the step."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    step: str
+    folder: Path
+    times: int = 1
+    action: str = "raise"
+
+    @classmethod
+    def from_env(cls) -> Plan | None:
+        step = os.environ.get("BLOCKAGG_FAULT_STEP", "")
+        folder = os.environ.get("BLOCKAGG_FAULT_DIR", "")
+        if not step or not folder:
+            return None
+        if step not in STEPS:
+            raise ValueError(f"BLOCKAGG_FAULT_STEP={step!r}: expected one of {STEPS}")
+        return cls(step, Path(folder), int(os.environ.get("BLOCKAGG_FAULT_TIMES", "1")),
+                   os.environ.get("BLOCKAGG_FAULT_ACTION", "raise"))
+
+    def claim(self) -> int | None:
+        """The number of the failure this call may inject, or None (not armed / used up)."""
+        if not (self.folder / "armed").exists():
+            return None
+        for n in range(self.times):
+            try:
+                fd = os.open(self.folder / f"fired-{n}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                continue
+            os.write(fd, f"{time.time()} {os.getpid()}\n".encode())
+            os.close(fd)
+            return n
+        return None
+
+    def fail(self, what: str) -> None:
+        n = self.claim()
+        if n is None:
+            return
+        if self.action == "exit":
+            os._exit(17)
+        raise InjectedFault(f"injected fault #{n} at step {self.step}: {what}")
+
+
+def fired(folder: Path) -> int:
+    """How many failures were injected so far (read by the test)."""
+    return len(list(folder.glob("fired-*")))
+
+
+# Per worker process: blocks inserted since the partition's last commit, and the
+# batches whose first block went in.
+_INSERTED_SINCE_COMMIT: dict[tuple[str, int], int] = {}
+_BATCH_BLOCKS: dict[tuple[str, int, int, int], int] = {}
+
+
+class FaultStore:
+    def __init__(self, inner: MetadataStore, plan: Plan) -> None:
+        self.inner = inner
+        self.plan = plan
+
+    def committed(self, topic: str, partition: int) -> Committed | None:
+        return self.inner.committed(topic, partition)
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+        tp = (topic, partition)
+        if self.plan.step == "commit_fails" and _INSERTED_SINCE_COMMIT.get(tp, 0) > 0:
+            self.plan.fail(f"commit of {topic}[{partition}] at {offset} (broker unreachable)")
+        self.inner.commit(topic, partition, offset, metadata)
+        _INSERTED_SINCE_COMMIT[tp] = 0
+        if self.plan.step == "after_commit":
+            self.plan.fail(f"after committing {topic}[{partition}] at {offset}")
+
+
+class FaultSink:
+    def __init__(self, inner: BlockSink, plan: Plan) -> None:
+        self.inner = inner
+        self.plan = plan
+
+    def insert(self, block: Block, batch: Batch) -> None:
+        key = (batch.topic, batch.partition, batch.start, batch.end)
+        if self.plan.step == "between_blocks" and _BATCH_BLOCKS.get(key, 0) >= 1:
+            self.plan.fail(f"before the second block ({block.token}) of a batch")
+        self.inner.insert(block, batch)
+        if len(_BATCH_BLOCKS) > 10_000:
+            _BATCH_BLOCKS.clear()
+        _BATCH_BLOCKS[key] = _BATCH_BLOCKS.get(key, 0) + 1
+        tp = (batch.topic, batch.partition)
+        _INSERTED_SINCE_COMMIT[tp] = _INSERTED_SINCE_COMMIT.get(tp, 0) + 1
+        if self.plan.step == "after_insert":
+            self.plan.fail(f"after inserting {block.token}")
+
+
+@dataclass(frozen=True)
+class FaultComponents:
+    inner: Components
+    plan: Plan | None
+
+    def store(self, config: Config) -> MetadataStore:
+        store = self.inner.store(config)
+        return FaultStore(store, self.plan) if self.plan else store
+
+    def sink(self, config: Config, topic: TopicConfig) -> BlockSink:
+        sink = self.inner.sink(config, topic)
+        return FaultSink(sink, self.plan) if self.plan else sink
+
+    def registry(self, config: Config) -> TableRegistry:
+        return self.inner.registry(config)
+
+
+def from_env() -> FaultComponents:
+    """``BLOCKAGG_COMPONENTS=tests.faults.hooks:from_env``."""
+    spec = os.environ.get("BLOCKAGG_FAULT_INNER")
+    inner: Components = load_components(spec) if spec else DefaultComponents()
+    return FaultComponents(inner, Plan.from_env())
