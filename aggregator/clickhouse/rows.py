@@ -37,6 +37,7 @@ class Column:
     name: str
     type: str
     default_kind: str = ""
+    default_expression: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class TablePlan:
     columns: tuple[str, ...]
     types: tuple[CHType, ...]
     fields: tuple[FieldDescriptor | None, ...]
+    live: tuple[Column, ...] = ()
+    """Every live column of the table (``system.columns`` order) the plan was made
+    against; the writer uses it to line up blocks that mix schema versions."""
 
     @property
     def coordinates(self) -> bool:
@@ -120,7 +124,7 @@ def make_plan(table: str, table_id: int, version: int, descriptor: Descriptor,
             types.append(parse_type(col.type))
             feeds.append(mapping.get(col.name))
     plan = TablePlan(table, table_id, version, descriptor, tuple(names), tuple(types),
-                     tuple(feeds))
+                     tuple(feeds), tuple(columns))
     return plan, problems
 
 

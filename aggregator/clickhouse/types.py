@@ -591,3 +591,95 @@ _SCALARS: Final[dict[str, Callable[[CHType, FieldDescriptor], _Conv]]] = {
 def message_fields(descriptor: Descriptor) -> dict[str, FieldDescriptor]:
     """The message's fields by name."""
     return {fd.name: fd for fd in descriptor.fields}
+
+
+_INT_LITERAL: Final = re.compile(r"^-?\d+$")
+_FLOAT_LITERAL: Final = re.compile(r"^-?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?$")
+_STRING_LITERAL: Final = re.compile(r"^'((?:[^'\\]|\\.)*)'$")
+_CAST: Final = re.compile(r"^CAST\((.*), '[^']*'\)$", re.S)
+
+
+def zero_value(ch: CHType) -> Any:
+    """The value ClickHouse gives a column of type ``ch`` that an insert omits and
+    that has no DEFAULT expression, in the form the native driver takes."""
+    name = ch.name
+    if name == "Nullable":
+        return None
+    if name == "LowCardinality":
+        return zero_value(ch.children[0])
+    if name.startswith(("Int", "UInt")) or name in ("DateTime", "DateTime64", "IPv4"):
+        return 0
+    if name.startswith("Float"):
+        return 0.0
+    if name == "Bool":
+        return False
+    if name == "String":
+        return ""
+    if name == "FixedString":
+        return b""
+    if name == "UUID":
+        return uuid.UUID(int=0)
+    if name in ("Date", "Date32"):
+        return _EPOCH_DATE
+    if name.startswith("Decimal"):
+        return Decimal(0)
+    if name.startswith("Enum"):
+        return min(ch.enum.items(), key=lambda kv: kv[1])[0] if ch.enum else ""
+    if name == "IPv6":
+        return ipaddress.IPv6Address(0)
+    if name == "Array":
+        return []
+    if name == "Map":
+        return {}
+    if name == "Tuple":
+        return tuple(zero_value(c) for c in ch.children)
+    raise TypeParseError(f"no default value known for type {ch}")
+
+
+def default_value(ch: CHType, default_kind: str, expression: str) -> tuple[Any, bool]:
+    """The value to insert for a column that a row does not carry, and whether it
+    is exact: the literal of a constant ``DEFAULT`` expression (``7``, ``-1.5``,
+    ``'x'``, ``CAST(7, 'Int64')``), else the type's :func:`zero_value` (exact when
+    the column has no DEFAULT expression). A pure function of the column, so a
+    retried block fills alike."""
+    zero = zero_value(ch)
+    if default_kind != "DEFAULT" or not expression:
+        return zero, True
+    text = expression.strip()
+    cast = _CAST.match(text)
+    if cast:
+        text = cast.group(1).strip()
+    base = ch.unwrap()
+    if text.upper() == "NULL" and ch.nullable:
+        return None, True
+    try:
+        if _STRING_LITERAL.match(text):
+            raw = _STRING_LITERAL.match(text).group(1)  # type: ignore[union-attr]
+            literal = raw.encode().decode("unicode_escape").encode("latin-1").decode()
+            if base.name == "String":
+                return literal, True
+            if base.name == "FixedString":
+                return literal.encode(), True
+            if base.name.startswith("Enum") and literal in base.enum:
+                return literal, True
+            if base.name.startswith("Decimal"):
+                return Decimal(literal), True
+            if base.name == "UUID":
+                return uuid.UUID(literal), True
+            if base.name in ("Date", "Date32"):
+                return dt.date.fromisoformat(literal), True
+        elif _INT_LITERAL.match(text):
+            if base.name.startswith(("Int", "UInt")) or base.name in ("DateTime", "DateTime64"):
+                return int(text), True
+            if base.name.startswith("Float"):
+                return float(text), True
+            if base.name.startswith("Decimal"):
+                return Decimal(text), True
+        elif _FLOAT_LITERAL.match(text):
+            if base.name.startswith("Float"):
+                return float(text), True
+            if base.name.startswith("Decimal"):
+                return Decimal(text), True
+    except (ValueError, UnicodeError, InvalidOperation):
+        pass
+    return zero, False

@@ -34,7 +34,8 @@ from aggregator.clickhouse.exceptions import (
     InsertFailed,
     TableNotFound,
 )
-from aggregator.clickhouse.rows import COORDINATE_COLUMNS, Column, Rows
+from aggregator.clickhouse.rows import COORDINATE_COLUMNS, Column, Rows, TablePlan
+from aggregator.clickhouse.types import default_value, parse_type
 from aggregator.core.metadata import DEAD_LETTER_TABLE_ID
 from aggregator.core.model import Batch, Block
 
@@ -186,12 +187,12 @@ class ClickHouseBlockWriter:
     def describe(self, table: str) -> TableInfo:
         database, name = table.split(".", 1)
         rows = self.query(
-            "SELECT name, type, default_kind FROM system.columns "
+            "SELECT name, type, default_kind, default_expression FROM system.columns "
             "WHERE database = %(db)s AND table = %(t)s", {"db": database, "t": name})
         if not rows:
             raise TableNotFound(f"table {table} does not exist (or has no columns) on "
                                 f"{self.config.replicas[self._preferred].host}")
-        columns = tuple(Column(str(n), str(t), str(k)) for n, t, k in rows)
+        columns = tuple(Column(str(n), str(t), str(k), str(e)) for n, t, k, e in rows)
         engine = self.query(
             "SELECT engine FROM system.tables WHERE database = %(db)s AND name = %(t)s",
             {"db": database, "t": name})
@@ -294,33 +295,67 @@ class ClickHouseBlockWriter:
                         "payload; the task must pass a DeadLetter (make_dead_letter)")
                 rows.append(payload.row())
             return DEAD_LETTER_COLUMNS, [list(col) for col in zip(*rows, strict=True)]
-        plan = None
+        rows_payloads: list[Rows] = []
         for payload in payloads:
             if not isinstance(payload, Rows):
                 raise ClickHouseError(
                     f"block of {block.table} holds a {type(payload).__name__} payload; "
                     "expected aggregator.clickhouse.rows.Rows")
-            plan = payload.columns.plan if plan is None else plan
-        assert plan is not None
+            rows_payloads.append(payload)
+        names, fills = self._union_columns(block, [p.columns.plan for p in rows_payloads])
         values: list[list[Any]] = []
-        for j, name in enumerate(plan.columns):
+        positions = block.positions.tolist()
+        for name in names:
             col: list[Any] = []
-            if plan.fields[j] is None and name in COORDINATE_COLUMNS:
-                for payload, pos in zip(payloads, block.positions.tolist(), strict=True):
-                    assert isinstance(payload, Rows)
+            for payload, pos in zip(rows_payloads, positions, strict=True):
+                plan = payload.columns.plan
+                j = plan.columns.index(name) if name in plan.columns else -1
+                if j < 0:
+                    col.extend([fills[name]] * payload.count)
+                elif plan.fields[j] is None and name in COORDINATE_COLUMNS:
                     value = (block.topic if name == "_topic" else block.partition
                              if name == "_partition" else int(batch.offsets[pos]))
                     col.extend([value] * payload.count)
-            else:
-                for payload in payloads:
-                    assert isinstance(payload, Rows)
-                    if payload.columns.plan.columns != plan.columns:
-                        raise ClickHouseError(
-                            f"block of {block.table} mixes schema versions with different "
-                            "columns; the task must decode all versions to the table's plan")
+                else:
                     col.extend(payload.columns.values[j][payload.start:payload.stop])
             values.append(col)
-        return plan.columns, values
+        return names, values
+
+    def _union_columns(self, block: Block, plans: Sequence[TablePlan]
+                       ) -> tuple[tuple[str, ...], dict[str, Any]]:
+        """The insert's columns for a block whose messages were decoded with
+        ``plans``: the union of the plans' columns in the table's column order, and
+        the value each column takes in rows of a version that lacks it (its
+        constant DEFAULT, NULL, or the type's zero value). A column no version of
+        the block carries is left out, so the server computes its DEFAULT."""
+        distinct: list[TablePlan] = []
+        for plan in plans:
+            if all(plan is not d and plan.columns != d.columns for d in distinct):
+                distinct.append(plan)
+        first = distinct[0]
+        if len(distinct) == 1:
+            return first.columns, {}
+        live = next((p.live for p in distinct if p.live), ())
+        if not live:
+            raise ClickHouseError(
+                f"block of {block.table} mixes schema versions with different columns and "
+                "its plans carry no live columns; build plans with "
+                "aggregator.clickhouse.rows.make_plan")
+        present = {name for p in distinct for name in p.columns}
+        names = tuple(c.name for c in live if c.name in present)
+        fills: dict[str, Any] = {}
+        for c in live:
+            if c.name not in present or all(c.name in p.columns for p in distinct):
+                continue
+            value, exact = default_value(parse_type(c.type), c.default_kind,
+                                         c.default_expression)
+            if not exact:
+                log.warning("%s: rows of schema versions without column %s get %r, not its "
+                            "DEFAULT %s (not a constant); pin one version per block or make "
+                            "the default a literal", block.table, c.name, value,
+                            c.default_expression)
+            fills[c.name] = value
+        return names, fills
 
     def insert(self, block: Block, batch: Batch) -> None:
         """Insert ``block`` (all its rows, in one insert); return once acknowledged."""

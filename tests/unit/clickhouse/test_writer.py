@@ -142,8 +142,8 @@ def test_bad_rows_become_reasons(sample: Descriptor) -> None:
 def _check_script(engine: str, create: str, profile: str = "1") -> dict[str, Any]:
     return {
         "SELECT value FROM system.settings WHERE name = 'insert_deduplicate'": [(profile,)],
-        "SELECT name, type, default_kind FROM system.columns WHERE database = %(db)s AND "
-        "table = %(t)s": [("x", "Int64", "")],
+        "SELECT name, type, default_kind, default_expression FROM system.columns WHERE "
+        "database = %(db)s AND table = %(t)s": [("x", "Int64", "", "")],
         "SELECT engine FROM system.tables WHERE database = %(db)s AND name = %(t)s":
             [(engine,)],
         "SHOW CREATE TABLE db.t": [(create,)],

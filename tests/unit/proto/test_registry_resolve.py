@@ -3,8 +3,6 @@ Kafka timestamp, so a replay decodes alike whatever was registered in between.""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from proto.descriptors import compile_proto
