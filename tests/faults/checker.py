@@ -204,7 +204,12 @@ def check(workload: Workload, audit_args: Sequence[str] | None = None) -> Report
         ["verify", "--bootstrap-servers", workload.bootstrap, "--group", workload.group,
          "--topic", workload.topic, "--json"])
     if has_audit():
-        report.audit_code, report.audit_output = arv(["audit", *(audit_args or [])])
+        report.audit_code, report.audit_output = arv(
+            ["audit", "--bootstrap-servers", workload.bootstrap, "--group", workload.group,
+             "--topic", workload.topic, "--clickhouse",
+             f"{workload.ch_host}:{workload.ch_ports[0]}", "--database", workload.database,
+             "--dead-letter-table", workload.dead_letter_table, "--json",
+             *(audit_args or [])])
     return report
 
 

@@ -69,7 +69,6 @@ class Job:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     exits: list[int] = field(default_factory=list)
-    step: str = ""
 
     def __post_init__(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -88,7 +87,6 @@ class Job:
             "PYTHONPATH": str(REPO_ROOT),
             "BLOCKAGG_COMPONENTS": "tests.faults.hooks:from_env",
             "BLOCKAGG_FAULT_DIR": str(self.hook_dir),
-            "BLOCKAGG_FAULT_STEP": self.step,
             "BLOCKAGG_LOG_FORMAT": "text",
             "PYSPARK_SUBMIT_ARGS": (f"--master {self.master} --jars {self.jars} "
                                     "--conf spark.ui.enabled=false "
@@ -138,14 +136,8 @@ class Job:
             self.kill9()
 
     def arm(self, step: str) -> None:
-        """Arm a task hook: the job is restarted with ``step`` so its workers see it."""
-        shutil.rmtree(self.hook_dir, ignore_errors=True)
-        self.hook_dir.mkdir(parents=True)
-        if self.step != step:
-            self.step = step
-            self.stop()
-            self.start()
-        (self.hook_dir / "armed").touch()
+        """Arm a task hook (the running workers see it at their next commit/insert)."""
+        hooks.arm(self.hook_dir, step)
 
     def close(self) -> None:
         self.kill9()
@@ -180,6 +172,7 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random) -> dict
     elif kind in _HOOK_STEP:
         job.arm(_HOOK_STEP[kind])
         info["fired"] = _wait(lambda: hooks.fired(job.hook_dir) >= 1, 120)
+        hooks.disarm(job.hook_dir)
         job.ensure_running()
     elif kind == "lost_ack":
         proxy = job.proxies[0]

@@ -15,10 +15,11 @@ fails at one step of the protocol:
   a block of the partition was inserted since its previous commit.
 
 Control is by files, because tasks run in Spark's Python worker processes:
-``BLOCKAGG_FAULT_DIR/armed`` must exist (the test creates it at the moment of its
-choosing) and each failure claims ``fired-<n>`` with ``O_EXCL`` for ``n <
-BLOCKAGG_FAULT_TIMES`` (default 1), so exactly that many failures happen over all
-processes and retries. ``BLOCKAGG_FAULT_ACTION=raise`` (default: the task fails and
+``BLOCKAGG_FAULT_DIR/armed`` names the step (the test writes it with :func:`arm` at the
+moment of its choosing; no restart needed) and each failure claims ``fired-<n>`` with
+``O_EXCL`` for ``n < BLOCKAGG_FAULT_TIMES`` (default 1), so exactly that many failures
+happen over all processes and retries. Without ``BLOCKAGG_FAULT_DIR`` nothing is
+wrapped. ``BLOCKAGG_FAULT_ACTION=raise`` (default: the task fails and
 Spark retries it) or ``exit`` (the Python worker dies with ``os._exit``).
 """
 
@@ -42,26 +43,29 @@ class InjectedFault(RuntimeError):
 
 @dataclass(frozen=True)
 class Plan:
-    step: str
+    """The file protocol: ``armed`` holds the step to fail at (a test writes it when it
+    wants the fault, so the job needn't be restarted to change steps)."""
+
     folder: Path
     times: int = 1
     action: str = "raise"
 
     @classmethod
     def from_env(cls) -> Plan | None:
-        step = os.environ.get("BLOCKAGG_FAULT_STEP", "")
         folder = os.environ.get("BLOCKAGG_FAULT_DIR", "")
-        if not step or not folder:
+        if not folder:
             return None
-        if step not in STEPS:
-            raise ValueError(f"BLOCKAGG_FAULT_STEP={step!r}: expected one of {STEPS}")
-        return cls(step, Path(folder), int(os.environ.get("BLOCKAGG_FAULT_TIMES", "1")),
+        return cls(Path(folder), int(os.environ.get("BLOCKAGG_FAULT_TIMES", "1")),
                    os.environ.get("BLOCKAGG_FAULT_ACTION", "raise"))
 
+    def step(self) -> str:
+        try:
+            return (self.folder / "armed").read_text().strip()
+        except OSError:
+            return ""
+
     def claim(self) -> int | None:
-        """The number of the failure this call may inject, or None (not armed / used up)."""
-        if not (self.folder / "armed").exists():
-            return None
+        """The number of the failure this call may inject, or None (used up)."""
         for n in range(self.times):
             try:
                 fd = os.open(self.folder / f"fired-{n}", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -72,13 +76,31 @@ class Plan:
             return n
         return None
 
-    def fail(self, what: str) -> None:
+    def fail(self, step: str, what: str) -> None:
+        if self.step() != step:
+            return
         n = self.claim()
         if n is None:
             return
         if self.action == "exit":
             os._exit(17)
-        raise InjectedFault(f"injected fault #{n} at step {self.step}: {what}")
+        raise InjectedFault(f"injected fault #{n} at step {step}: {what}")
+
+
+def arm(folder: Path, step: str) -> None:
+    """Reset the fired markers and arm ``step`` (from the test process)."""
+    if step not in STEPS:
+        raise ValueError(f"unknown step {step!r}; known: {STEPS}")
+    folder.mkdir(parents=True, exist_ok=True)
+    for marker in folder.glob("fired-*"):
+        marker.unlink()
+    tmp = folder / "armed.tmp"
+    tmp.write_text(step)
+    tmp.replace(folder / "armed")
+
+
+def disarm(folder: Path) -> None:
+    (folder / "armed").unlink(missing_ok=True)
 
 
 def fired(folder: Path) -> int:
@@ -102,12 +124,12 @@ class FaultStore:
 
     def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
         tp = (topic, partition)
-        if self.plan.step == "commit_fails" and _INSERTED_SINCE_COMMIT.get(tp, 0) > 0:
-            self.plan.fail(f"commit of {topic}[{partition}] at {offset} (broker unreachable)")
+        if _INSERTED_SINCE_COMMIT.get(tp, 0) > 0:
+            self.plan.fail("commit_fails",
+                           f"commit of {topic}[{partition}] at {offset} (broker unreachable)")
         self.inner.commit(topic, partition, offset, metadata)
         _INSERTED_SINCE_COMMIT[tp] = 0
-        if self.plan.step == "after_commit":
-            self.plan.fail(f"after committing {topic}[{partition}] at {offset}")
+        self.plan.fail("after_commit", f"after committing {topic}[{partition}] at {offset}")
 
 
 class FaultSink:
@@ -117,16 +139,15 @@ class FaultSink:
 
     def insert(self, block: Block, batch: Batch) -> None:
         key = (batch.topic, batch.partition, batch.start, batch.end)
-        if self.plan.step == "between_blocks" and _BATCH_BLOCKS.get(key, 0) >= 1:
-            self.plan.fail(f"before the second block ({block.token}) of a batch")
+        if _BATCH_BLOCKS.get(key, 0) >= 1:
+            self.plan.fail("between_blocks", f"before the second block ({block.token}) of a batch")
         self.inner.insert(block, batch)
         if len(_BATCH_BLOCKS) > 10_000:
             _BATCH_BLOCKS.clear()
         _BATCH_BLOCKS[key] = _BATCH_BLOCKS.get(key, 0) + 1
         tp = (batch.topic, batch.partition)
         _INSERTED_SINCE_COMMIT[tp] = _INSERTED_SINCE_COMMIT.get(tp, 0) + 1
-        if self.plan.step == "after_insert":
-            self.plan.fail(f"after inserting {block.token}")
+        self.plan.fail("after_insert", f"after inserting {block.token}")
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,10 @@ COLUMNS = (
 )
 """The 10 columns of a benchmark/fault table, matching ``Event`` field for field."""
 
+COORDINATES = "_topic String, _partition UInt32, _offset UInt64"
+"""Kafka-coordinate columns (filled by the block writer) that make a table auditable by
+``arv audit``; the fault tables have them, the benchmark tables keep the 10 columns."""
+
 BAD_ENVELOPE = b"\xff\xfe not an envelope"
 
 
@@ -167,7 +171,7 @@ class Workload:
                 short = name.split(".", 1)[1]
                 engine = (f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{self.database}/"
                           f"{short}', '{{replica}}')" if replicated else "MergeTree()")
-                client.execute(f"CREATE TABLE IF NOT EXISTS {name} ({COLUMNS}) "
+                client.execute(f"CREATE TABLE IF NOT EXISTS {name} ({COLUMNS}, {COORDINATES}) "
                                f"ENGINE = {engine} ORDER BY id")
             client.execute(dead_letter_ddl(self.dead_letter_table, replicated=replicated))
             client.disconnect()
