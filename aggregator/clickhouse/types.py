@@ -448,6 +448,11 @@ def _per_value(fn: Callable[[Any], Any]) -> Callable[[CHType, FieldDescriptor], 
             items = values if isinstance(values, list) else values.to_pylist()
             out = []
             for i, v in enumerate(items):
+                if v is None:
+                    # An absent message field (Timestamp, wrapper) into a column that
+                    # is not Nullable: the column's zero value, as proto3 reads it.
+                    out.append(zero_value(ch))
+                    continue
                 try:
                     out.append(fn((ch, fd, v)))
                 except (ValueError, TypeError, ArithmeticError) as exc:

@@ -60,7 +60,7 @@ class ChdbClient:
 def chdb_session() -> Any:
     from chdb import session
 
-    s = session.Session()
+    s: Any = session.Session()  # type: ignore[no-untyped-call]
     s.query("CREATE DATABASE IF NOT EXISTS db")
     yield s
     s.close()

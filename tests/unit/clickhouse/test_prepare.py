@@ -18,7 +18,9 @@ def test_prepare_routes_and_dead_letters(sample: Descriptor, sample_fds: bytes) 
     register(store, "db.t", "blockagg.test.Inner", sample_fds, now_ms=1_600_000_000_000)
     plans = Plans(Registry.load(store), lambda t: [Column("a", "UInt8"),
                                                    Column("b", "String")])
-    cls: Any = message_class(sample.fields_by_name["inner"].message_type)
+    inner = sample.fields_by_name["inner"].message_type
+    assert inner is not None
+    cls: Any = message_class(inner)
     ok = make_envelope("db.t", [cls(a=1).SerializeToString(),
                                 cls(a=2, b="x").SerializeToString()], 1)
     values = [ok, b"\xff", make_envelope("db.nope", [b""]), make_envelope("db.t", [b""], 9),
