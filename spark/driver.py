@@ -416,13 +416,12 @@ class Driver:
         """Watch the query until it ends or a stop is requested; the exit code."""
         assert self.query is not None
         stop_deadline: float | None = None
-        seen_batches = len(self.batches)
         try:
             while True:
                 if not self.query.isActive:
                     break
                 self.caught_up = self._update_lag()
-                if until_caught_up and self.caught_up and len(self.batches) > seen_batches:
+                if until_caught_up and self.caught_up:
                     self.request_stop("caught up")
                 if should_stop is not None and should_stop(self):
                     self.request_stop("test")
