@@ -47,20 +47,6 @@ def cached(key: tuple[str, ...], make: Callable[[], Any]) -> Any:
         return _CACHE[key]
 
 
-def _first(candidates: list[tuple[str, str]]) -> Any:
-    errors = []
-    for module_name, attr in candidates:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            errors.append(f"{module_name}: {exc}")
-            continue
-        if hasattr(module, attr):
-            return getattr(module, attr)
-        errors.append(f"{module_name} has no {attr}")
-    raise BlockaggError("no implementation found: " + "; ".join(errors))
-
-
 class DefaultComponents:
     """The production adapters."""
 
@@ -79,8 +65,13 @@ class DefaultComponents:
 
     def sink(self, config: Config, topic: TopicConfig) -> BlockSink:
         def make() -> BlockSink:
-            factory = _first([("aggregator.clickhouse.writer", "from_config")])
-            sink: BlockSink = factory(config, topic)
+            sink: BlockSink = make_writer(config, topic)
+            if config.dead_letters.topic:
+                from aggregator.clickhouse.dlq_topic import DeadLetterTopic, DeadLetterTopicSink
+
+                sink = DeadLetterTopicSink(
+                    sink, DeadLetterTopic(config.kafka.librdkafka_config(),
+                                          config.dead_letters.topic))
             return sink
 
         result: BlockSink = cached(("sink", topic.label, *map(str, topic.replicas)), make)
@@ -88,12 +79,40 @@ class DefaultComponents:
 
     def registry(self, config: Config) -> TableRegistry:
         def make() -> TableRegistry:
-            factory = _first([("proto.registry", "from_config")])
-            registry: TableRegistry = factory(config)
+            from proto.registry import from_config
+
+            registry: TableRegistry = from_config(config)
             return registry
 
         result: TableRegistry = cached(("registry", config.schemas.topic), make)
         return result
+
+
+def make_writer(config: Config, topic: TopicConfig) -> Any:
+    """The ClickHouse writer of ``topic``'s shard (``aggregator.clickhouse.writer``)."""
+    from aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+
+    ch = config.clickhouse
+    quorum = topic.insert_quorum if topic.insert_quorum is not None else ch.insert_quorum
+    return ClickHouseBlockWriter(WriterConfig(
+        replicas=tuple(Replica(r.host, r.port) for r in topic.replicas),
+        user=ch.user,
+        password=ch.password.reveal(),
+        insert_quorum=quorum,
+        insert_quorum_timeout_ms=int(ch.insert_quorum_timeout * 1000),
+        max_attempts=ch.retries + 1,
+        backoff_initial_s=ch.retry_backoff,
+        connect_timeout_s=ch.connect_timeout,
+        send_receive_timeout_s=ch.send_receive_timeout,
+        dead_letter_table=config.dead_letters.table,
+        extra_settings=dict(ch.settings),
+    ))
+
+
+def describer(config: Config, topic: TopicConfig) -> Any:
+    """A writer used only to read live table columns (cached per worker)."""
+    return cached(("describer", topic.label, *map(str, topic.replicas)),
+                  lambda: make_writer(config, topic))
 
 
 class StaticRegistry:

@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 
 from aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
-from aggregator.config import Config
+from aggregator.config import Config, TopicConfig
 from aggregator.core.metadata import DEAD_LETTER_TABLE_ID
 from aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore, Thresholds
 from aggregator.core.protocol import process_batch
 from proto.envelope import Parsed, Rejected, parse_envelope
-from spark.components import Components, TableRegistry
+from spark.components import Components, TableRegistry, cached, describer
 from spark.exceptions import DeadLetterRateExceeded, TaskContractError
 from spark.offsets import PlannedRange, TopicPartition
 
@@ -125,6 +125,39 @@ def build_batch(
     )
 
 
+def prepare_batch(
+    config: Config,
+    topic: TopicConfig,
+    rng: PlannedRange,
+    offsets: Sequence[int],
+    values: Sequence[bytes | None],
+    timestamps_ms: Sequence[int],
+    registry: Any,
+) -> Batch:
+    """The :class:`Batch` through the data path (``aggregator.clickhouse.prepare``):
+    envelope, registry, vectorised decoding against the live columns, dead letters."""
+    from aggregator.clickhouse.prepare import Message as Record
+    from aggregator.clickhouse.prepare import Plans, prepare
+
+    plans: Plans = cached(
+        ("plans", topic.label, str(id(registry))),
+        lambda: Plans(registry.current(),
+                      columns=lambda table: describer(config, topic).describe(table).columns,
+                      reload=registry.reload),
+    )
+    records = [Record(int(o), int(t), v)
+               for o, v, t in zip(offsets, values, timestamps_ms, strict=True)]
+    prepared = prepare(rng.topic, rng.partition, records, plans, config.dead_letters.table)
+    n = len(offsets)
+    start = rng.start if rng.exact_start or n == 0 else min(rng.start, offsets[0])
+    return Batch(
+        topic=rng.topic, partition=rng.partition, start=start, end=rng.end,
+        offsets=prepared.offsets, table_ids=prepared.table_ids,
+        row_counts=prepared.row_counts, sizes=prepared.sizes,
+        payloads=prepared.payloads, tables=prepared.tables,
+    )
+
+
 def _error_code(exc: BaseException) -> str | None:
     code = getattr(exc, "code", None)
     return str(code) if isinstance(code, int) else None
@@ -199,8 +232,13 @@ def run_range(
             f"range [{rng.start}, {rng.end}) of batch {ctx.batch_id}"
         )
     registry = ctx.components.registry(config)
-    batch = build_batch(rng, offsets, values, timestamps_ms, registry,
-                        config.dead_letters.table)
+    topic_config = config.topic_for(tp[0])
+    if hasattr(registry, "reload") and hasattr(registry, "current"):
+        batch = prepare_batch(config, topic_config, rng, offsets, values, timestamps_ms,
+                              registry)
+    else:
+        batch = build_batch(rng, offsets, values, timestamps_ms, registry,
+                            config.dead_letters.table)
     dead = int(np.count_nonzero(batch.table_ids == DEAD_LETTER_TABLE_ID)) if len(batch) else 0
     if len(batch) and dead / len(batch) > config.dead_letters.max_rate:
         sample = next(m.error for m in batch.payloads if isinstance(m, DeadLetter))
@@ -209,7 +247,6 @@ def run_range(
             f"letters, over dead_letters.max_rate = {config.dead_letters.max_rate} (first "
             f"reason: {sample}). Fix the producer or the schema registry, or raise max_rate"
         )
-    topic_config = config.topic_for(tp[0])
     store = _MeasuredStore(ctx.components.store(config))
     sink = _MeasuredSink(ctx.components.sink(config, topic_config))
     thresholds = Thresholds(config.blocks.max_rows, config.blocks.max_bytes,
@@ -223,6 +260,8 @@ def run_range(
         consumed[name][1] += int(batch.sizes[i])
         if isinstance(message, DeadLetter):
             dead_letters[reason_label(message.error)] += 1
+        elif name == config.dead_letters.table:
+            dead_letters["other"] += 1
     return {
         "topic": tp[0],
         "partition": tp[1],
