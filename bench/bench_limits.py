@@ -138,7 +138,10 @@ def raw_insert(rows: Rows, client: Any, table: str, block_rows: int, servers: Se
 
 
 def kafka_engine(rows: Rows, client: Any, bootstrap: str, topic: str, database: str,
-                 consumers: int, timeout: float) -> Callable[[], str]:
+                 consumers: int, timeout: float, idle: list[float], stall_s: float = 30.0
+                 ) -> Callable[[], str]:
+    """Times the engine from its creation until every row is stored, or until the count
+    has not moved for ``stall_s`` (then the stall is subtracted and losses reported)."""
     from confluent_kafka import Consumer, TopicPartition
 
     group = f"chkafka-{uuid.uuid4().hex[:8]}"
@@ -160,13 +163,27 @@ def kafka_engine(rows: Rows, client: Any, bootstrap: str, topic: str, database: 
         client.execute(f"CREATE MATERIALIZED VIEW {database}.kafka_mv TO {database}.kafka_dst "
                        f"AS SELECT * FROM {database}.kafka_src")
         deadline = time.monotonic() + timeout
-        n = 0
+        n = last_change_n = 0
+        last_change = time.monotonic()
         while n < rows.rows:
             if time.monotonic() > deadline:
-                return f"TIMEOUT: {n:,} of {rows.rows:,} rows after {timeout:.0f}s"
+                break
+            if time.monotonic() - last_change > stall_s:
+                break  # nothing new for stall_s (> stream_flush_interval_ms): it stopped
             time.sleep(0.2)
             n = int(client.execute(f"SELECT count() FROM {database}.kafka_dst")[0][0])
-        return f"{n:,} rows stored (at least once: {n - rows.rows} extra), {consumers} consumer(s)"
+            if n != last_change_n:
+                last_change_n, last_change = n, time.monotonic()
+        idle[0] = time.monotonic() - last_change if n < rows.rows else 0.0
+        count, unique = client.execute(
+            f"SELECT count(), uniqExact(id) FROM {database}.kafka_dst")[0]
+        lost = rows.rows - int(unique)
+        examples = client.execute(
+            f"SELECT id FROM (SELECT number + 1 AS id FROM system.numbers LIMIT {rows.rows}) "
+            f"WHERE id NOT IN (SELECT id FROM {database}.kafka_dst) LIMIT 8") if lost else []
+        return (f"{int(count):,} rows stored, {int(count) - int(unique)} duplicated, {lost} LOST"
+                f"{' e.g. ids ' + ','.join(str(e[0]) for e in examples) if lost else ''}; "
+                f"{consumers} consumer(s)")
 
     return run
 
@@ -210,10 +227,13 @@ def main(argv: list[str] | None = None) -> int:
         raw_insert(rows, client, f"{database}.raw", args.block_rows, servers),
     ]
     if not args.skip_kafka_engine:
-        results.append(measure(
+        idle = [0.0]
+        engine = measure(
             "ClickHouse Kafka engine", rows.rows, rb, servers,
             kafka_engine(rows, client, bootstrap, json_topic, database, args.kafka_consumers,
-                         args.timeout)))
+                         args.timeout, idle))
+        engine.seconds -= idle[0]
+        results.append(engine)
         client.execute(f"DROP TABLE IF EXISTS {database}.kafka_mv")
         client.execute(f"DROP TABLE IF EXISTS {database}.kafka_src")
     command = "python -m bench.bench_limits " + " ".join(
@@ -223,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
               f"row_bytes={rb:.1f} (protobuf) envelope_MB={env_bytes / 1e6:,.0f} "
               f"json_MB={json_bytes / 1e6:,.0f} produce_s={env_s:.1f}/{json_s:.1f}")
     text = "\n".join([header, *(r.line() for r in results)])
-    print(text)
+    print(text, flush=True)
     if args.json:
         args.json.write_text(json.dumps({"header": header, "results": [
             {**asdict(r), "rows_per_s": r.rows_per_s, "mb_per_s": r.mb_per_s,

@@ -177,7 +177,8 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random) -> dict
     elif kind == "lost_ack":
         proxy = job.proxies[0]
         before = proxy.stats.dropped_responses
-        proxy.drop_responses(count=1, min_request_bytes=4096)
+        # 2 KiB: more than a handshake or an INSERT's query text, less than a data block
+        proxy.drop_responses(count=1, min_request_bytes=2048)
         info["fired"] = proxy.wait_dropped(before + 1, 120)
         proxy.set_mode(Mode.FORWARD)
     elif kind == "replica_kill9":

@@ -161,3 +161,43 @@ class StackControl:
         """Make ``service`` unreachable (stopped) for ``seconds``, then resume it."""
         with self.paused(service):
             time.sleep(seconds)
+
+
+def restart_times(control: StackControl, services: tuple[str, ...], repeat: int
+                  ) -> dict[str, list[float]]:
+    """Seconds from kill -9 to the service answering again after ``scripts/stack up``."""
+    out: dict[str, list[float]] = {s: [] for s in services}
+    for _ in range(repeat):
+        for service in services:
+            started = time.monotonic()
+            control.kill9(service)
+            control.up()
+            out[service].append(round(time.monotonic() - started, 2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.faults.stack restart-times [--repeat N]`` on the private stack."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="kill -9 / restart timings of the fault stack")
+    ap.add_argument("command", choices=["restart-times", "up", "down", "env"])
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args(argv)
+    control = StackControl(fault_stack_env())
+    if args.command == "up":
+        control.up()
+    elif args.command == "down":
+        control.down()
+    elif args.command == "env":
+        for key, value in sorted(control.exported().items()):
+            print(f"export {key}={value}")
+    else:
+        control.up()
+        print(json.dumps(restart_times(control, SERVICES, args.repeat)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
