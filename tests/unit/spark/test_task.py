@@ -1,0 +1,145 @@
+"""spark.task: batch building and the one-partition-per-task contract (no Spark)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from aggregator.clickhouse.deadletters import DeadLetter
+from aggregator.config import loads
+from aggregator.core.model import Batch, Block, Committed
+from proto.envelope import make_envelope
+from spark.components import StaticRegistry
+from spark.exceptions import DeadLetterRateExceeded, TaskContractError
+from spark.offsets import PlannedRange
+from spark.task import Message, TaskContext, build_batch, reason_label, run_partition
+
+CONFIG = """
+[job]
+checkpoint_location = "/tmp/ck"
+[kafka]
+"bootstrap.servers" = "x:1"
+[[topics]]
+name = "t"
+replicas = ["ch:9000"]
+[blocks]
+max_rows = 3
+"""
+
+
+class MemoryStore:
+    def __init__(self) -> None:
+        self.commits: dict[tuple[str, int], Committed] = {}
+        self.history: list[tuple[int, str]] = []
+
+    def committed(self, topic: str, partition: int) -> Committed | None:
+        return self.commits.get((topic, partition))
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+        self.commits[(topic, partition)] = Committed(offset, metadata)
+        self.history.append((offset, metadata))
+
+
+class MemorySink:
+    def __init__(self) -> None:
+        self.blocks: list[tuple[str, list[int]]] = []
+
+    def insert(self, block: Block, batch: Batch) -> None:
+        self.blocks.append((block.table, [int(batch.offsets[p]) for p in block.positions]))
+
+
+class Components:
+    def __init__(self) -> None:
+        self._store = MemoryStore()
+        self._sink = MemorySink()
+
+    def store(self, config: Any) -> MemoryStore:
+        return self._store
+
+    def sink(self, config: Any, topic: Any) -> MemorySink:
+        return self._sink
+
+    def registry(self, config: Any) -> StaticRegistry:
+        return StaticRegistry({"db.a": 1, "db.b": 2})
+
+
+def rows(offsets: Sequence[int], values: Sequence[bytes | None], partition: int = 0,
+         topic: str = "t") -> list[tuple[Any, ...]]:
+    stamp = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
+    return [(topic, partition, o, v, stamp) for o, v in zip(offsets, values, strict=True)]
+
+
+def ctx(components: Components, ranges: dict[tuple[str, int], PlannedRange],
+        extra: str = "") -> TaskContext:
+    return TaskContext(loads(CONFIG + extra), components, ranges, batch_id=7, run_id=42)
+
+
+def test_build_batch_routes_and_dead_letters() -> None:
+    values = [make_envelope("db.a", [b"1", b"2"]), b"\xff garbage",
+              make_envelope("db.zz", [b"x"]), None, make_envelope("db.b", [b"3"])]
+    batch = build_batch(PlannedRange("t", 0, 10, 20), [10, 11, 12, 13, 15], values,
+                        [0] * 5, StaticRegistry({"db.a": 1, "db.b": 2}), "bl.dead")
+    assert batch.table_ids.tolist() == [1, 0, 0, 0, 2]
+    assert batch.row_counts.tolist() == [2, 1, 1, 1, 1]
+    assert batch.tables == {1: "db.a", 0: "bl.dead", 2: "db.b"}
+    assert (batch.start, batch.end) == (10, 20)
+    assert isinstance(batch.payloads[0], Message)
+    dead = batch.payloads[2]
+    assert isinstance(dead, DeadLetter) and "not registered" in dead.error
+    assert reason_label(dead.error) == "unregistered_table"
+
+
+def test_inexact_start_lowered_to_first_row() -> None:
+    batch = build_batch(PlannedRange("t", 0, 5, 9, exact_start=False), [3, 4],
+                        [make_envelope("db.a", [b"1"])] * 2, [0, 0], StaticRegistry({"db.a": 1}),
+                        "bl.dead")
+    assert batch.start == 3
+
+
+def test_run_partition_reports_and_commits_final() -> None:
+    comps = Components()
+    values = [make_envelope("db.a" if i % 2 else "db.b", [b"r"]) for i in range(6)]
+    ranges = {("t", 0): PlannedRange("t", 0, 0, 8)}  # ends in invisible offsets 6, 7
+    [report] = list(run_partition(ctx(comps, ranges), rows(range(6), values)))
+    assert report["end"] == 8 and report["messages"] == 6 and report["rows"] == 6
+    assert report["consumed"] == {"db.a": [3, sum(len(v) for v in values[1::2])],
+                                  "db.b": [3, sum(len(v) for v in values[::2])]}
+    assert comps._store.commits[("t", 0)].offset == 8  # final commit at the planned end
+    delivered = sorted(o for _, offs in comps._sink.blocks for o in offs)
+    assert delivered == list(range(6))
+
+
+def test_empty_iterator_yields_nothing() -> None:
+    assert list(run_partition(ctx(Components(), {}), [])) == []
+
+
+def test_two_partitions_in_one_task_refused() -> None:
+    comps = Components()
+    ranges = {("t", 0): PlannedRange("t", 0, 0, 5), ("t", 1): PlannedRange("t", 1, 0, 5)}
+    data = rows([0], [make_envelope("db.a", [b"r"])]) + rows([0], [b"x"], partition=1)
+    with pytest.raises(TaskContractError, match="one Spark partition holds rows"):
+        list(run_partition(ctx(comps, ranges), data))
+
+
+def test_out_of_order_and_out_of_range_refused() -> None:
+    comps = Components()
+    ranges = {("t", 0): PlannedRange("t", 0, 0, 5)}
+    v = make_envelope("db.a", [b"r"])
+    with pytest.raises(TaskContractError, match="out of order"):
+        list(run_partition(ctx(comps, ranges), rows([2, 1], [v, v])))
+    with pytest.raises(TaskContractError, match="outside the planned range"):
+        list(run_partition(ctx(comps, ranges), rows([4, 5], [v, v])))
+    with pytest.raises(TaskContractError, match="without a planned range"):
+        list(run_partition(ctx(comps, {}), rows([1], [v])))
+
+
+def test_dead_letter_rate_refuses_before_anything() -> None:
+    comps = Components()
+    ranges = {("t", 0): PlannedRange("t", 0, 0, 4)}
+    data = rows(range(4), [b"bad", b"bad", b"bad", make_envelope("db.a", [b"r"])])
+    with pytest.raises(DeadLetterRateExceeded, match="3 of 4 messages"):
+        list(run_partition(ctx(comps, ranges, "[dead_letters]\nmax_rate = 0.5\n"), data))
+    assert comps._store.history == [] and comps._sink.blocks == []
