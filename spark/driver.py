@@ -185,6 +185,31 @@ class Driver:
         )
         self.lock.acquire(self.config.job.lock_timeout)
 
+    def check_tables(self, partitions: int) -> None:
+        """The writer's startup check: every registered table (and the dead-letter
+        table) that exists on a shard must drop a retried block; refuse otherwise."""
+        registry = self.components.registry(self.config)
+        current = getattr(registry, "current", None)
+        if current is None:
+            return
+        from aggregator.clickhouse.exceptions import TableNotFound
+        from spark.components import make_writer
+
+        names = sorted({*current().tables().values(), self.config.dead_letters.table})
+        for topic in self.config.topics:
+            writer = make_writer(self.config, topic)
+            try:
+                for table in names:
+                    try:
+                        warnings = writer.check_tables([table], writers=partitions)
+                    except TableNotFound:
+                        continue  # not on this shard; its messages become dead letters
+                    for warning in warnings:
+                        logs.event(log, "table check", level=30, shard=topic.label,
+                                   warning=warning)
+            finally:
+                writer.close()
+
     def read_start(self) -> tuple[list[TopicPartition], dict[TopicPartition, Committed],
                                   dict[TopicPartition, tuple[int, int]]]:
         consumer = make_consumer(self.config.kafka.librdkafka_config(),
@@ -396,6 +421,7 @@ class Driver:
         check_speculation(self.spark)
         self.acquire_lock()
         partitions, committed, _ = self.read_start()
+        self.check_tables(len(partitions))
         self.recover(committed)
         if self.recovery_ranges(committed)[0]:
             _, committed, _ = self.read_start()
