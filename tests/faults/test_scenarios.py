@@ -24,15 +24,16 @@ from tests.faults.stack import StackControl
 
 
 def _job_can_write_clickhouse() -> str | None:
-    """The job's default adapters need the ClickHouse writer's ``from_config``; until
-    the data path lands there is nothing to inject faults into."""
+    """The job's default adapters must build the ClickHouse writer; until the data path
+    lands there is nothing to inject faults into."""
     try:
-        writer = importlib.import_module("aggregator.clickhouse.writer")
+        components = importlib.import_module("spark.components")
+        importlib.import_module("aggregator.clickhouse.writer")
     except ImportError as exc:
-        return f"aggregator.clickhouse.writer does not import: {exc}"
-    if not hasattr(writer, "from_config"):
-        return ("the job cannot write to ClickHouse yet (aggregator.clickhouse.writer."
-                "from_config is missing): spark/components.DefaultComponents needs it")
+        return f"the job's adapters do not import: {exc}"
+    if not hasattr(components, "make_writer"):
+        return ("the job cannot write to ClickHouse yet (spark.components.make_writer is "
+                "missing)")
     return None
 
 
