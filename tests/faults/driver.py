@@ -219,6 +219,8 @@ class Outcome:
             return {"n": len(ys), "median": ys[len(ys) // 2], "max": ys[-1]} if ys else {}
 
         return {"faults": dict(self.faults),
+                "job_starts": {k: sum(e.get("job_starts", 0) for e in self.events
+                                      if e["kind"] == k) for k in self.faults},
                 "recover_s": {k: stats(v) for k, v in self.recover_s.items()},
                 "check": self.report.summary() if self.report else None,
                 "seconds": round(self.seconds, 1)}
@@ -246,6 +248,7 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
         job.start()
         for n in range(faults):
             kind = kinds[n % len(kinds)] if n < len(kinds) else rng.choice(kinds)
+            starts_before = job.starts
             with lock:
                 producer = threading.Thread(target=workload.produce, args=(per_fault,),
                                             kwargs={"rate": rate}, daemon=True)
@@ -256,6 +259,7 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
             recovered = time.monotonic()
             took = _wait_caught_up(workload, job, settle_s)
             info["recover_s"] = None if took is None else round(time.monotonic() - recovered, 1)
+            info["job_starts"] = job.starts - starts_before
             outcome.faults[kind] += 1
             if took is not None:
                 outcome.recover_s[kind].append(time.monotonic() - recovered)
@@ -290,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows-per-message", type=int, default=10)
     ap.add_argument("--tables", type=int, default=20)
     ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--dead-every", type=int, default=97,
+                    help="every Nth message is a bad envelope (a dead letter); 0 = none")
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--folder", type=Path, default=None)
@@ -301,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     outcome, _, _ = run(stack, kinds, args.faults, args.messages, args.seed, folder,
                                tables=args.tables, partitions=args.partitions,
-                               rows_per_message=args.rows_per_message)
+                               rows_per_message=args.rows_per_message,
+                               dead_every=args.dead_every)
     summary = outcome.summary()
     text = json.dumps(summary, indent=1, sort_keys=True)
     print(text)
