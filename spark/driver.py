@@ -462,7 +462,15 @@ class Driver:
                                        level=30)
                         self.query.stop()
                         break
-                self.query.awaitTermination(0.5)
+                try:
+                    self.query.awaitTermination(0.5)
+                except Exception as exc:
+                    # The query ended with an error (awaitTermination raises it): a batch
+                    # that started after a stop request raised GracefulStop, or a real
+                    # failure, told apart below as for query.exception().
+                    if "GracefulStop" not in str(exc):
+                        self.failure = exc
+                    break
         finally:
             if self.lock is not None:
                 self.lock.release()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,3 +131,54 @@ def stored(path: str | Path) -> Stored:
             )
             rows[block["table"]][key] = content
     return Stored(dict(rows), inserts, duplicates, replays)
+
+
+# --------------------------------------------------------------------------- pause hook
+
+class PausingSink:
+    """The real sink, except that once ``<pause dir>/armed`` exists the first block
+    insert of the run (over every worker process) stops *before* sending the block:
+    it claims ``paused`` (``O_EXCL``, holding its pid) and sleeps until
+    ``<pause dir>/release`` appears. The metadata commit announcing the block is
+    already made (intent before flush), so a test that kills the job now leaves an
+    interrupted batch for the next run to REPLAY."""
+
+    def __init__(self, inner: BlockSink, folder: str) -> None:
+        self.inner = inner
+        self.folder = Path(folder)
+
+    def insert(self, block: Block, batch: Batch) -> None:
+        if (self.folder / "armed").exists():
+            try:
+                fd = os.open(self.folder / "paused", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pass
+            else:
+                os.write(fd, f"{os.getpid()} {block.token}\n".encode())
+                os.close(fd)
+                deadline = time.monotonic() + 300
+                while not (self.folder / "release").exists() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        self.inner.insert(block, batch)
+
+
+@dataclass(frozen=True)
+class PauseComponents:
+    """The production adapters with :class:`PausingSink` around the shard's writer.
+    ``BLOCKAGG_COMPONENTS=tests.integration.job_support:pause_from_env`` with
+    ``BLOCKAGG_TEST_PAUSE_DIR``."""
+
+    folder: str
+
+    def store(self, config: Config) -> MetadataStore:
+        return DefaultComponents().store(config)
+
+    def sink(self, config: Config, topic: TopicConfig) -> BlockSink:
+        return PausingSink(DefaultComponents().sink(config, topic), self.folder)
+
+    def registry(self, config: Config) -> TableRegistry:
+        return DefaultComponents().registry(config)
+
+
+def pause_from_env() -> PauseComponents:
+    return PauseComponents(os.environ["BLOCKAGG_TEST_PAUSE_DIR"])
