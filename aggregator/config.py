@@ -348,6 +348,8 @@ class DeadLettersConfig:
     table: str = "blockagg.dead_letters"
     topic: str | None = None
     max_rate: float = 1.0
+    min_messages: int = 100
+    window: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -839,6 +841,8 @@ def from_dict(
         table=dl_t.take("table", _table_name, "blockagg.dead_letters"),
         topic=dl_t.take("topic", _nonempty, None),
         max_rate=dl_t.take("max_rate", _rate, 1.0),
+        min_messages=dl_t.take("min_messages", _int(0), 100),
+        window=dl_t.take("window", _int(1, 10_000), 1),
     )
     dl_t.done()
     if dead_letters.topic is not None and any(t.matches(dead_letters.topic) for t in topics):

@@ -34,6 +34,7 @@ import secrets
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -41,6 +42,8 @@ from types import FrameType
 from typing import Any
 
 from aggregator import logs
+from aggregator.clickhouse.deadletter_rate import RateThreshold, RateWindow
+from aggregator.clickhouse.exceptions import DeadLetterRateExceeded
 from aggregator.config import Config
 from aggregator.core.metadata import PREFIX, decode
 from aggregator.core.model import Committed
@@ -88,6 +91,7 @@ class BatchSummary:
     seconds: float = 0.0
     max_task_seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
 
     def add(self, rep: Mapping[str, Any]) -> None:
         self.partitions += 1
@@ -97,6 +101,7 @@ class BatchSummary:
         self.blocks += int(rep["blocks"])
         self.replayed_blocks += int(rep["replayed_blocks"])
         self.dead_letters += sum(rep["dead_letters"].values())
+        self.reasons.update(rep["dead_letters"])
         self.skipped += int(bool(rep["skipped"]))
         self.commits += int(rep["commits"])
         self.max_task_seconds = max(self.max_task_seconds, float(rep["seconds"]))
@@ -161,6 +166,10 @@ class Driver:
         self.batches: list[BatchSummary] = []
         self.caught_up = False
         self.failure: BaseException | None = None
+        dl = config.dead_letters
+        self.dead_letter_rate = RateWindow(RateThreshold(
+            max_rate=dl.max_rate, min_messages=dl.min_messages, window=dl.window,
+            table=dl.table))
 
     # ------------------------------------------------------------------ startup
 
@@ -345,6 +354,21 @@ class Driver:
         self.metrics.last_batch_timestamp.set(time.time())
         self.batches.append(summary)
         self._log_batch(summary, "stream")
+        self.check_dead_letter_rate(summary)
+
+    def check_dead_letter_rate(self, summary: BatchSummary) -> None:
+        """Stop the job when the dead letters of the last ``dead_letters.window``
+        batches are over ``max_rate`` (from ``min_messages`` messages on). The batch
+        is delivered and committed already (its dead letters are in the table, once),
+        so the query is stopped between batches and the job exits 1 with the reason."""
+        try:
+            self.dead_letter_rate.add(summary.dead_letters, summary.messages,
+                                      summary.reasons, label=f"batch {summary.batch_id}")
+        except DeadLetterRateExceeded as exc:
+            logs.event(log, "dead-letter rate exceeded", level=40, batch=summary.batch_id,
+                       error=str(exc))
+            self.failure = exc
+            self.request_stop("dead-letter rate exceeded")
 
     def _log_batch(self, summary: BatchSummary, kind: str) -> None:
         for warning in summary.warnings:

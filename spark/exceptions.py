@@ -18,6 +18,3 @@ class JobLocked(JobError):
 class TaskContractError(JobError):
     """A Spark task got rows that break the one-partition-per-task contract."""
 
-
-class DeadLetterRateExceeded(JobError):
-    """Too many of a partition's messages in one batch are dead letters."""

@@ -95,6 +95,8 @@ def main(config_path: str, bootstrap_servers: str | None, group: str | None,
         driver.metrics.serve(config.metrics.port, config.metrics.host)
         driver.start()
         code = driver.wait(until_caught_up=until_caught_up)
+        if isinstance(driver.failure, BlockaggError):
+            click.echo(f"blockagg: {driver.failure}", err=True)
     except ConfigError as exc:
         logs.event(log, "configuration refused", level=40, error=str(exc))
         click.echo(f"blockagg: configuration refused: {exc}", err=True)

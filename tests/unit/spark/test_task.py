@@ -13,7 +13,7 @@ from aggregator.config import loads
 from aggregator.core.model import Batch, Block, Committed
 from proto.envelope import make_envelope
 from spark.components import StaticRegistry
-from spark.exceptions import DeadLetterRateExceeded, TaskContractError
+from spark.exceptions import TaskContractError
 from spark.offsets import PlannedRange
 from spark.task import Message, TaskContext, build_batch, reason_label, run_partition
 
@@ -136,10 +136,12 @@ def test_out_of_order_and_out_of_range_refused() -> None:
         list(run_partition(ctx(comps, {}), rows([1], [v])))
 
 
-def test_dead_letter_rate_refuses_before_anything() -> None:
+def test_dead_letters_are_delivered_whatever_the_rate() -> None:
+    """The task never judges the rate (the driver does, over whole batches, after
+    delivery): a partition of mostly bad messages is delivered and reported."""
     comps = Components()
     ranges = {("t", 0): PlannedRange("t", 0, 0, 4)}
     data = rows(range(4), [b"bad", b"bad", b"bad", make_envelope("db.a", [b"r"])])
-    with pytest.raises(DeadLetterRateExceeded, match="3 of 4 messages"):
-        list(run_partition(ctx(comps, ranges, "[dead_letters]\nmax_rate = 0.5\n"), data))
-    assert comps._store.history == [] and comps._sink.blocks == []
+    (rep,) = run_partition(ctx(comps, ranges, "[dead_letters]\nmax_rate = 0.0\n"), data)
+    assert rep["dead_letters"] == {"bad_envelope": 3} and rep["messages"] == 4
+    assert sorted(offsets for _, offsets in comps._sink.blocks) == [[0, 1, 2], [3]]

@@ -1,0 +1,64 @@
+"""spark.driver: the dead-letter rate window judged after each batch (no Spark)."""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest.mock import MagicMock
+
+from aggregator.clickhouse.exceptions import DeadLetterRateExceeded
+from aggregator.config import loads
+from spark.driver import BatchSummary, Driver
+
+CONFIG = """
+[job]
+checkpoint_location = "/tmp/ck"
+[kafka]
+"bootstrap.servers" = "x:1"
+[[topics]]
+name = "t"
+replicas = ["ch:9000"]
+[dead_letters]
+table = "db.dl"
+"""
+
+
+def driver(extra: str) -> Driver:
+    return Driver(loads(CONFIG + extra), MagicMock(), components=MagicMock(), run_id=1)
+
+
+def batch(batch_id: int, messages: int, dead: int, reason: str = "bad_envelope") -> BatchSummary:
+    summary = BatchSummary(batch_id)
+    rep: dict[str, Any] = {"messages": messages, "rows": 0, "bytes": 0, "blocks": 0,
+                           "replayed_blocks": 0, "dead_letters": {reason: dead} if dead else {},
+                           "skipped": False, "commits": 1, "seconds": 0.1, "topic": "t",
+                           "partition": 0}
+    summary.add(rep)
+    return summary
+
+
+def test_one_bad_message_in_a_tiny_batch_does_not_stop_the_job() -> None:
+    d = driver("max_rate = 0.1\n")  # min_messages defaults to 100
+    d.check_dead_letter_rate(batch(0, 1, 1))
+    d.check_dead_letter_rate(batch(1, 3, 2))
+    assert d.failure is None and not d._stop_requested.is_set()
+
+
+def test_rate_over_the_window_stops_the_job_with_the_reasons() -> None:
+    d = driver("max_rate = 0.2\nmin_messages = 50\nwindow = 3\n")
+    d.check_dead_letter_rate(batch(0, 40, 40, "unregistered_table"))  # 40 < 50 messages
+    assert d.failure is None
+    d.check_dead_letter_rate(batch(1, 200, 0))  # 40 of 240
+    assert d.failure is None
+    d.check_dead_letter_rate(batch(2, 30, 30, "unregistered_table"))  # 70 of 270 = 26%
+    assert isinstance(d.failure, DeadLetterRateExceeded)
+    assert d._stop_requested.is_set()
+    text = str(d.failure)
+    for part in ("70 of 270 messages in the last 3 batches, up to batch 2",
+                 "unregistered_table (70)", "db.dl", "max_rate = 20.0%"):
+        assert part in text, (part, text)
+
+
+def test_max_rate_one_never_stops() -> None:
+    d = driver("min_messages = 0\n")
+    d.check_dead_letter_rate(batch(0, 500, 500))
+    assert d.failure is None
