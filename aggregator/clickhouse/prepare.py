@@ -108,8 +108,10 @@ class Plans:
 
 
 def prepare(topic: str, partition: int, messages: Sequence[Message], plans: Plans,
-            dead_letter_table: str = DEFAULT_TABLE) -> Prepared:
-    """Classify and decode ``messages`` (in offset order)."""
+            dead_letter_table: str = DEFAULT_TABLE, columnar: bool = True) -> Prepared:
+    """Classify and decode ``messages`` (in offset order). ``columnar`` (default)
+    converts to numpy columns where it can (:func:`~aggregator.clickhouse.rows.
+    decode_messages`); False is the previous per-value path, same values."""
     n = len(messages)
     table_ids = np.zeros(n, dtype=np.int64)
     row_counts = np.ones(n, dtype=np.int64)
@@ -145,7 +147,7 @@ def prepare(topic: str, partition: int, messages: Sequence[Message], plans: Plan
     tables: dict[int, str] = {}
     for (table, version), members in groups.items():
         plan, _ = plans.plan(table, version)  # a resolved version: pinned
-        results = decode_messages(plan, [p.rows for _, p in members])
+        results = decode_messages(plan, [p.rows for _, p in members], columnar)
         for (i, _p), result in zip(members, results, strict=True):
             if isinstance(result, str):
                 dead(i, f"{table} v{version}: {result}", table)

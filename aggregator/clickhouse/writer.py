@@ -14,10 +14,21 @@ Invariants:
   stops with the server's code and message (:class:`InsertFailed`).
 * :meth:`ClickHouseBlockWriter.check_tables` refuses tables that would not drop a
   retried block, naming the table and the setting to change.
+
+Columnar path: when every column of a block is a numpy array (see
+:func:`aggregator.clickhouse.types.convert_array`) of a type clickhouse-driver's numpy
+mode writes (:data:`NUMPY_TYPES`), the block goes through ``use_numpy`` (integers,
+floats, DateTime and strings serialised from the arrays; Enum and Array columns take
+the driver's generic per-column fallback from ``object`` arrays); otherwise as
+Python lists, as before. Both send the same values of the same types, so the server
+hashes the block alike whichever path (or writer version) sent it; the choice is a
+pure function of the block (its column types and size) and the configuration, so a
+retry takes the same path, and each attempt sends a fresh copy of the same columns.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import re
@@ -25,6 +36,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_COLUMNS
 from aggregator.clickhouse.deadletters import DeadLetter
@@ -34,8 +48,8 @@ from aggregator.clickhouse.exceptions import (
     InsertFailed,
     TableNotFound,
 )
-from aggregator.clickhouse.rows import COORDINATE_COLUMNS, Column, Rows, TablePlan
-from aggregator.clickhouse.types import default_value, parse_type
+from aggregator.clickhouse.rows import COORDINATE_COLUMNS, Column, ColumnSet, Rows, TablePlan
+from aggregator.clickhouse.types import INT_RANGES, CHType, default_value, parse_type
 from aggregator.core.metadata import DEAD_LETTER_TABLE_ID
 from aggregator.core.model import Batch, Block
 
@@ -71,6 +85,76 @@ RETRIABLE_CODES: Final = frozenset({
 TOKEN_MIN_VERSION: Final = (22, 2)
 """First server version with ``insert_deduplication_token``."""
 
+NUMPY_TYPES: Final = frozenset({*INT_RANGES, "Float32", "Float64", "String", "DateTime",
+                                "Enum8", "Enum16", "Array"})
+"""Column types a block may have to go through clickhouse-driver's numpy mode:
+written from arrays (integers, floats, String, DateTime without a time zone), or
+by the driver's generic column from an ``object`` array (Enum8/16, Array(T))."""
+
+DEFAULT_INSERT_BLOCK_SIZE: Final = 1_048_576
+"""clickhouse-driver's ``insert_block_size``: larger blocks go as lists, which the
+driver splits at exactly this many rows (its numpy mode splits differently)."""
+
+_NUMPY_FALLBACK_WARNING: Final = "NumPy support is not implemented for"
+
+
+class _QuietNumpyFallback(logging.Filter):
+    """Drops clickhouse-driver's per-insert warning that an Enum/Array column takes
+    the generic path in numpy mode: that is by design here (:data:`NUMPY_TYPES`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_NUMPY_FALLBACK_WARNING)
+
+
+@functools.cache
+def numpy_inserts_available() -> bool:
+    """Whether clickhouse-driver's numpy mode can be used (it needs pandas)."""
+    try:
+        import clickhouse_driver.columns.numpy.service
+        import clickhouse_driver.numpy.helpers  # noqa: F401
+    except ImportError:
+        return False
+    logging.getLogger("clickhouse_driver.columns.service").addFilter(_QuietNumpyFallback())
+    return True
+
+
+def numpy_type_ok(ch: CHType) -> bool:
+    """Whether a column of type ``ch`` may go through the numpy mode."""
+    if ch.name == "DateTime":
+        return not ch.args
+    return ch.name in NUMPY_TYPES
+
+
+@dataclass(frozen=True, eq=False)
+class BlockData:
+    """A block's insert: column names, columns, and whether they are numpy arrays
+    for clickhouse-driver's numpy mode (else Python lists)."""
+
+    names: tuple[str, ...]
+    columns: list[Any]
+    numpy: bool
+
+    @property
+    def rows(self) -> int:
+        return len(self.columns[0]) if self.columns else 0
+
+    def fresh(self, lists: bool = False) -> list[Any]:
+        """A copy of the columns for one attempt (the driver rewrites some in place);
+        ``lists``: as Python lists (the same values) for a client without numpy mode."""
+        if lists:
+            return [c.tolist() if isinstance(c, np.ndarray) else list(c)
+                    for c in self.columns]
+        return [c.copy() if isinstance(c, np.ndarray) else list(c) for c in self.columns]
+
+
+def _is_driver_client(client: Any) -> bool:
+    """Whether ``client`` is clickhouse-driver's (the only one with numpy mode)."""
+    try:
+        from clickhouse_driver import Client as DriverClient
+    except ImportError:
+        return False
+    return isinstance(client, DriverClient)
+
 
 class Client(Protocol):
     """The part of ``clickhouse_driver.Client`` the writer uses."""
@@ -104,6 +188,9 @@ class WriterConfig:
     send_receive_timeout_s: float = 300.0
     dead_letter_table: str = "blockagg.dead_letters"
     extra_settings: Mapping[str, Any] = field(default_factory=dict)
+    use_numpy: bool = True
+    """Send blocks whose columns are numpy arrays through clickhouse-driver's numpy
+    mode (when the driver's numpy extras, i.e. pandas, are installed)."""
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -282,9 +369,19 @@ class ClickHouseBlockWriter:
         return settings
 
     def block_columns(self, block: Block, batch: Batch) -> tuple[tuple[str, ...], list[list[Any]]]:
-        """The block's column names and columnar values, rows in position order.
+        """The block's column names and columnar values (Python lists), rows in
+        position order.
 
         Pure: the same block over the same batch always gives the same values."""
+        data = self.block_data(block, batch, numpy=False)
+        return data.names, data.columns
+
+    def block_data(self, block: Block, batch: Batch, numpy: bool | None = None) -> BlockData:
+        """The block's insert, rows in position order: numpy arrays when ``numpy``
+        (default: the configuration and the driver allow it) and every column
+        converted to an array of a :data:`NUMPY_TYPES` type, else Python lists.
+
+        Pure: the same block over the same batch always gives the same data."""
         payloads = [batch.payloads[int(p)] for p in block.positions]
         if block.table_id == DEAD_LETTER_TABLE_ID:
             rows = []
@@ -294,7 +391,8 @@ class ClickHouseBlockWriter:
                         f"block of the dead-letter table holds a {type(payload).__name__} "
                         "payload; the task must pass a DeadLetter (make_dead_letter)")
                 rows.append(payload.row())
-            return DEAD_LETTER_COLUMNS, [list(col) for col in zip(*rows, strict=True)]
+            return BlockData(DEAD_LETTER_COLUMNS,
+                             [list(col) for col in zip(*rows, strict=True)], False)
         rows_payloads: list[Rows] = []
         for payload in payloads:
             if not isinstance(payload, Rows):
@@ -303,6 +401,10 @@ class ClickHouseBlockWriter:
                     "expected aggregator.clickhouse.rows.Rows")
             rows_payloads.append(payload)
         names, fills = self._union_columns(block, [p.columns.plan for p in rows_payloads])
+        if numpy is None:
+            numpy = self.config.use_numpy and numpy_inserts_available()
+        if numpy and not fills and self._numpy_eligible(block, rows_payloads):
+            return BlockData(names, self._array_columns(block, batch, rows_payloads), True)
         values: list[list[Any]] = []
         positions = block.positions.tolist()
         for name in names:
@@ -317,9 +419,63 @@ class ClickHouseBlockWriter:
                              if name == "_partition" else int(batch.offsets[pos]))
                     col.extend([value] * payload.count)
                 else:
-                    col.extend(payload.columns.values[j][payload.start:payload.stop])
+                    part = payload.columns.values[j][payload.start:payload.stop]
+                    col.extend(part.tolist() if isinstance(part, np.ndarray) else part)
             values.append(col)
-        return names, values
+        return BlockData(names, values, False)
+
+    def _numpy_eligible(self, block: Block, payloads: Sequence[Rows]) -> bool:
+        """Every column an array of a numpy-mode type, and the block within one
+        driver insert block (a function of the block only: a retry agrees)."""
+        limit = int(self.config.extra_settings.get("insert_block_size",
+                                                   DEFAULT_INSERT_BLOCK_SIZE))
+        if block.rows > limit or sum(p.count for p in payloads) > limit:
+            return False
+        seen: set[int] = set()
+        for payload in payloads:
+            cs = payload.columns
+            if id(cs) in seen:
+                continue
+            seen.add(id(cs))
+            for ch, fd, values in zip(cs.plan.types, cs.plan.fields, cs.values, strict=True):
+                if not numpy_type_ok(ch):
+                    return False
+                if fd is not None and not isinstance(values, np.ndarray):
+                    return False
+        return True
+
+    @staticmethod
+    def _array_columns(block: Block, batch: Batch, payloads: Sequence[Rows]
+                       ) -> list[npt.NDArray[Any]]:
+        plan = payloads[0].columns.plan
+        counts = np.fromiter((p.count for p in payloads), dtype=np.int64, count=len(payloads))
+        # Consecutive payloads that are adjacent slices of one ColumnSet (the usual
+        # case: one decode per table and partition) are taken as one slice.
+        runs: list[tuple[ColumnSet, int, int]] = []
+        for p in payloads:
+            if runs and runs[-1][0] is p.columns and runs[-1][2] == p.start:
+                runs[-1] = (p.columns, runs[-1][1], p.stop)
+            else:
+                runs.append((p.columns, p.start, p.stop))
+        n = int(counts.sum())
+        out: list[npt.NDArray[Any]] = []
+        for j, name in enumerate(plan.columns):
+            if plan.fields[j] is None and name in COORDINATE_COLUMNS:
+                if name == "_topic":
+                    col = np.full(n, block.topic, dtype=object)
+                elif name == "_partition":
+                    col = np.full(n, block.partition, dtype=np.int64)
+                else:
+                    col = np.repeat(batch.offsets[block.positions].astype(np.int64), counts)
+            else:
+                parts = []
+                for cs, start, stop in runs:
+                    values = cs.values[j]
+                    assert isinstance(values, np.ndarray)
+                    parts.append(values[start:stop])
+                col = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            out.append(col)
+        return out
 
     def _union_columns(self, block: Block, plans: Sequence[TablePlan]
                        ) -> tuple[tuple[str, ...], dict[str, Any]]:
@@ -361,14 +517,20 @@ class ClickHouseBlockWriter:
         """Insert ``block`` (all its rows, in one insert); return once acknowledged."""
         table = (self.config.dead_letter_table if block.table_id == DEAD_LETTER_TABLE_ID
                  else block.table)
-        names, values = self.block_columns(block, batch)
-        if not values or not values[0]:
+        data = self.block_data(block, batch)
+        if not data.rows:
             return
-        quoted = ", ".join(f"`{n}`" for n in names)
+        quoted = ", ".join(f"`{n}`" for n in data.names)
         sql = f"INSERT INTO {table} ({quoted}) VALUES"
         settings = self.settings_for(block)
-        self._with_retries(table, lambda c: c.execute(sql, values, columnar=True,
-                                                       settings=settings))
+
+        def send(client: Client) -> Any:
+            if data.numpy and _is_driver_client(client):
+                return client.execute(sql, data.fresh(), columnar=True,
+                                      settings={**settings, "use_numpy": True})
+            return client.execute(sql, data.fresh(lists=True), columnar=True,
+                                  settings=settings)
+        self._with_retries(table, send)
 
     def _with_retries(self, what: str, action: Callable[[Client], Any]) -> Any:
         from clickhouse_driver import errors as ch_errors
