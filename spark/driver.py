@@ -132,7 +132,10 @@ def _progress_dict(progress: Any) -> dict[str, Any] | None:
 
 def _offsets_of(value: Any) -> dict[TopicPartition, int]:
     if isinstance(value, str):
-        value = json.loads(value)
+        try:
+            value = json.loads(value)
+        except ValueError:  # e.g. "" in the first progress of a query resumed from its
+            return {}       # checkpoint: no offsets known yet
     out: dict[TopicPartition, int] = {}
     if isinstance(value, dict):
         for topic, parts in value.items():
@@ -195,16 +198,26 @@ class Driver:
         self.lock.acquire(self.config.job.lock_timeout)
 
     def check_tables(self, partitions: int) -> None:
-        """The writer's startup check: every registered table (and the dead-letter
-        table) that exists on a shard must drop a retried block; refuse otherwise."""
+        """The writer's startup check on each shard, over the tables the job can route
+        to there: every registered table that exists on the shard (envelopes name
+        any of them; one that doesn't exist gets dead letters), and the dead-letter
+        table.
+
+        The dead-letter table must drop a retried block: refused otherwise. A
+        registered table that would not only gets a warning here, since the shared
+        registry may hold tables no topic of this job carries; the task checks a
+        table again before decoding the first message routed to it
+        (:func:`spark.task.live_columns`) and fails the batch there, before anything
+        of it is committed or inserted."""
         registry = self.components.registry(self.config)
         current = getattr(registry, "current", None)
         if current is None:
             return
-        from aggregator.clickhouse.exceptions import TableNotFound
+        from aggregator.clickhouse.exceptions import DedupNotConfigured, TableNotFound
         from spark.components import make_writer
 
-        names = sorted({*current().tables().values(), self.config.dead_letters.table})
+        dead_letter_table = self.config.dead_letters.table
+        names = sorted({*current().tables().values(), dead_letter_table})
         for topic in self.config.topics:
             writer = make_writer(self.config, topic)
             try:
@@ -213,6 +226,10 @@ class Driver:
                         warnings = writer.check_tables([table], writers=partitions)
                     except TableNotFound:
                         continue  # not on this shard; its messages become dead letters
+                    except DedupNotConfigured as exc:
+                        if table == dead_letter_table:
+                            raise
+                        warnings = [f"{exc} (the job stops if a message is routed to it)"]
                     for warning in warnings:
                         logs.event(log, "table check", level=30, shard=topic.label,
                                    warning=warning)

@@ -125,6 +125,19 @@ def build_batch(
     )
 
 
+def live_columns(config: Config, topic: TopicConfig, table: str) -> Any:
+    """The live columns of ``table`` on ``topic``'s shard, once the table is known to
+    drop a retried block (``writer.check_tables``): raises
+    :class:`~aggregator.clickhouse.exceptions.DedupNotConfigured` otherwise, which
+    fails the task before anything of the batch is committed or inserted (the
+    driver's startup check only warns about registered tables, since the registry
+    may hold tables this job never receives). ``TableNotFound`` makes the message a
+    dead letter, as before. Called once per table per worker (``Plans`` caches)."""
+    writer = describer(config, topic)
+    writer.check_tables([table])
+    return writer.describe(table).columns
+
+
 def prepare_batch(
     config: Config,
     topic: TopicConfig,
@@ -142,7 +155,7 @@ def prepare_batch(
     plans: Plans = cached(
         ("plans", topic.label, str(id(registry))),
         lambda: Plans(registry.current(),
-                      columns=lambda table: describer(config, topic).describe(table).columns,
+                      columns=lambda table: live_columns(config, topic, table),
                       reload=registry.reload),
     )
     records = [Record(int(o), int(t), v)

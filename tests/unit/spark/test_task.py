@@ -145,3 +145,29 @@ def test_dead_letters_are_delivered_whatever_the_rate() -> None:
     (rep,) = run_partition(ctx(comps, ranges, "[dead_letters]\nmax_rate = 0.0\n"), data)
     assert rep["dead_letters"] == {"bad_envelope": 3} and rep["messages"] == 4
     assert sorted(offsets for _, offsets in comps._sink.blocks) == [[0, 1, 2], [3]]
+
+
+def test_live_columns_refuses_a_table_that_would_not_drop_a_retried_block(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from aggregator.clickhouse.exceptions import DedupNotConfigured, TableNotFound
+    from spark import task
+
+    class Writer:
+        def check_tables(self, tables: Sequence[str], writers: int = 1) -> list[str]:
+            if tables[0] == "db.missing":
+                raise TableNotFound("db.missing does not exist")
+            if tables[0] == "db.plain":
+                raise DedupNotConfigured("table db.plain uses MergeTree")
+            return []
+
+        def describe(self, table: str) -> Any:
+            return type("Info", (), {"columns": ["c"]})()
+
+    monkeypatch.setattr(task, "describer", lambda config, topic: Writer())
+    config = loads(CONFIG)
+    topic = config.topics[0]
+    assert task.live_columns(config, topic, "db.ok") == ["c"]
+    with pytest.raises(DedupNotConfigured, match=r"db\.plain"):
+        task.live_columns(config, topic, "db.plain")
+    with pytest.raises(TableNotFound):  # prepare makes the message a dead letter
+        task.live_columns(config, topic, "db.missing")
