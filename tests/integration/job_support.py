@@ -12,6 +12,11 @@ task retries) be tested exactly, independently of the ClickHouse writer. Selecte
 Environment of the job process: ``BLOCKAGG_TEST_SINK`` (the JSONL path),
 ``BLOCKAGG_TEST_TABLES`` (``db.a=1,db.b=2``), ``BLOCKAGG_TEST_FAIL_ONCE`` (a marker
 path: the first insert of the whole run fails, once, to make Spark retry the task).
+
+:class:`PauseComponents` (``BLOCKAGG_COMPONENTS=tests.integration.job_support:pause_from_env``,
+``BLOCKAGG_TEST_PAUSE_DIR``) keeps the real adapters and holds the first block insert
+after the test arms it, so a test can kill the job between a batch's metadata commit
+and its insert (``test_job_clickhouse.py``).
 """
 
 from __future__ import annotations
