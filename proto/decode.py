@@ -9,23 +9,36 @@ occurrence *step*, not per row. Strings, bytes, packed repeated fields and neste
 messages are gathered with vectorised index arithmetic; nested messages are decoded
 by the same routine over their byte ranges.
 
-Semantics follow the protobuf wire format as upb parses it: unknown fields and
-fields whose wire type doesn't match their declaration are skipped; for a singular
-field the last occurrence wins; repeated scalars accept packed and unpacked
-encodings, mixed. One deliberate difference: a singular *message* field that occurs
-more than once takes its last occurrence instead of merging the occurrences
-(serializers never write that). Rows that are not valid protobuf (truncated,
-over-long varints, lengths past the row, groups, invalid UTF-8 in ``string`` fields)
-are reported in :attr:`Decoded.errors` with a reason and never raise; their values
-in the columns are unspecified and must be dropped by the caller.
+Semantics are upb's (``google.protobuf`` with the upb backend), for every input: a
+row is either decoded to exactly what upb decodes, or reported in
+:attr:`Decoded.errors` exactly when upb raises ``DecodeError`` (truncated, over-long
+varints or tags, field number 0, lengths past the row, stray end-group tags, wire
+types 6 and 7, invalid UTF-8 in a ``string`` field that validates it, a nested
+message that does not decode). Unknown fields and fields whose wire type doesn't
+match their declaration are skipped; for a singular field the last occurrence wins;
+repeated scalars accept packed and unpacked encodings, mixed; a map keeps the last
+entry for each key. Rows the lock-step parse doesn't reproduce cheaply are rare
+and are detected and handed to upb one by one (``FromString``, then converted into
+the same layout): groups (also in unknown fields), a singular message, a validated
+string or a oneof occurring more than once (merges, overwritten values that must
+still be valid), unknown values of closed (proto2) enums, map entries with an
+unknown field (upb keeps those out of the map) and field numbers in extension
+ranges. One exception, reported rather than silently changed: a ``string`` field
+without UTF-8 validation (proto2) holding invalid UTF-8, which upb accepts (as
+bytes) and a string column cannot hold. Errors
+have a reason and never raise; the values of such rows in the columns are
+unspecified and must be dropped by the caller.
 
 Column types: ``int32``/``sint32``/``sfixed32``/enum -> int32 (enum numbers),
 ``int64``/``sint64``/``sfixed64`` -> int64, ``uint32``/``fixed32`` -> uint32,
 ``uint64``/``fixed64`` -> uint64, ``bool`` -> bool, ``float`` -> float32, ``double``
 -> float64, ``string`` -> string, ``bytes`` -> binary, message -> struct (null where
-absent), repeated -> list, map -> list of ``struct<key, value>`` (convert with
+absent), repeated -> list, map -> list of ``struct<key, value>``, one entry per key,
+sorted by key (upb's map order is unspecified; convert with
 :mod:`aggregator.clickhouse.types`). Fields with presence (``optional``, messages,
-oneof members) are null when absent; the others hold the proto3 default.
+oneof members) are null when absent; the others hold the proto3 default, and a map's
+key and value are never null (an absent message value is the empty message).
+Recursive message types are not supported (their Arrow type would be infinite).
 """
 
 from __future__ import annotations
@@ -37,9 +50,11 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
 
-from proto.descriptors import is_repeated
+from proto.descriptors import is_repeated, message_class
 
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
@@ -56,7 +71,8 @@ _VARINT_TYPES: Final = {
 }
 _I64_TYPES: Final = {_T.TYPE_DOUBLE, _T.TYPE_FIXED64, _T.TYPE_SFIXED64}
 _I32_TYPES: Final = {_T.TYPE_FLOAT, _T.TYPE_FIXED32, _T.TYPE_SFIXED32}
-_LEN_TYPES: Final = {_T.TYPE_STRING, _T.TYPE_BYTES, _T.TYPE_MESSAGE}
+_LEN_TYPES: Final = {_T.TYPE_STRING, _T.TYPE_BYTES, _T.TYPE_MESSAGE, _T.TYPE_GROUP}
+_MESSAGE_TYPES: Final = {_T.TYPE_MESSAGE, _T.TYPE_GROUP}
 
 _E_TRUNCATED: Final = 1
 _E_VARINT: Final = 2
@@ -64,13 +80,27 @@ _E_GROUP: Final = 3
 _E_UTF8: Final = 4
 _E_NESTED: Final = 5
 _E_TAG: Final = 6
+_E_UTF8_UNCHECKED: Final = 7
+_E_PACKED: Final = 8
+# Codes >= _F_GROUP are not errors: the row is one the lock-step parse doesn't
+# reproduce cheaply, and decode_rows hands it to upb (see _fallback).
+_F_GROUP: Final = 20
+_F_OTHER: Final = 21
+_F_UTF8: Final = 22
 _REASONS: Final = {
     _E_TRUNCATED: "row is truncated: a field runs past the end of the row",
     _E_VARINT: "row has a varint longer than 10 bytes",
-    _E_GROUP: "row uses a group or an unknown wire type (not supported)",
+    _E_GROUP: "row has an end-group tag without its start group, or an invalid wire type "
+              "(6 or 7)",
     _E_UTF8: "string field holds invalid UTF-8",
     _E_NESTED: "a nested message does not decode",
-    _E_TAG: "row has an invalid tag (field number 0)",
+    _E_TAG: "row has an invalid tag (field number 0, longer than 5 bytes or above 2**32)",
+    _E_UTF8_UNCHECKED: "string field holds invalid UTF-8: its schema does not ask for UTF-8 "
+                       "validation, so upb accepts the row, but a string column cannot hold it",
+    _E_PACKED: "packed fixed-width field's length is not a multiple of its width",
+    _F_GROUP: "row has a malformed group (upb rejects it)",
+    _F_OTHER: "row does not decode (upb rejects it)",
+    _F_UTF8: "row does not decode (upb rejects it)",
 }
 
 
@@ -101,9 +131,44 @@ def _message_type(fd: FieldDescriptor) -> Descriptor:
     return message_type
 
 
+def _is_map(fd: FieldDescriptor) -> bool:
+    message_type = fd.message_type
+    return message_type is not None and bool(message_type.GetOptions().map_entry)
+
+
+def _has_presence(fd: FieldDescriptor) -> bool:
+    """Whether ``fd`` is null when absent. The key and value of a map entry never
+    are: upb gives their default (an empty message for a message value)."""
+    if not fd.has_presence:
+        return False
+    parent = fd.containing_type
+    return parent is None or not parent.GetOptions().map_entry
+
+
+def _validates_utf8(fd: FieldDescriptor) -> bool:
+    """Whether upb rejects invalid UTF-8 in string field ``fd`` (proto3 and editions
+    by default; not proto2)."""
+    features = getattr(fd, "_GetFeatures", None)
+    if features is None:
+        return True
+    return bool(features().utf8_validation != _UTF8_NONE)
+
+
+_UTF8_NONE: Final = 3  # FeatureSet.Utf8Validation.NONE
+
+
+def _closed_enum_values(fd: FieldDescriptor) -> npt.NDArray[np.int32] | None:
+    """The numbers of ``fd``'s enum if it is closed (proto2): upb keeps other values
+    out of the field (as unknown fields)."""
+    enum_type = fd.enum_type
+    if enum_type is None or not getattr(enum_type, "is_closed", False):
+        return None
+    return np.asarray(sorted(v.number for v in enum_type.values), dtype=np.int32)
+
+
 def _scalar_arrow_type(fd: FieldDescriptor) -> pa.DataType:
     t = fd.type
-    if t == _T.TYPE_MESSAGE:
+    if t in _MESSAGE_TYPES:
         return pa.struct([pa.field(f.name, arrow_type(f)) for f in _message_type(fd).fields])
     return _SCALAR_ARROW[t]
 
@@ -127,8 +192,72 @@ def decode_rows(descriptor: Descriptor, rows: Sequence[bytes]) -> Decoded:
     buf = np.frombuffer(b"".join(rows) + b"\x00" * _PAD, dtype=np.uint8)
     err = np.zeros(n, dtype=np.int8)
     columns = _decode_message(descriptor, buf, starts, ends, err)
+    odd = np.flatnonzero(err >= _F_GROUP)
+    if odd.size:
+        columns = _fallback(descriptor, rows, odd, columns, err)
     errors = {int(i): _REASONS[int(err[i])] for i in np.flatnonzero(err)}
     return Decoded(n, columns, errors)
+
+
+def _fallback(descriptor: Descriptor, rows: Sequence[bytes], odd: I64,
+              columns: dict[str, pa.Array], err: npt.NDArray[np.int8]) -> dict[str, pa.Array]:
+    """Decode rows ``odd`` with upb (``FromString``, then field by field into the
+    layout of :func:`arrow_type`) and splice them into ``columns``. Rows upb rejects
+    keep their fallback code as the error; the others are cleared."""
+    cls = message_class(descriptor)
+    values: dict[str, list[Any]] = {fd.name: [] for fd in descriptor.fields}
+    for i in odd.tolist():
+        try:
+            msg = cls.FromString(rows[i])
+            converted = {fd.name: _py_field(fd, msg) for fd in descriptor.fields}
+        except DecodeError:
+            converted = None
+        except _Unrepresentable:
+            err[i] = _E_UTF8_UNCHECKED
+            converted = None
+        if converted is None:
+            for column in values.values():
+                column.append(None)
+            continue
+        err[i] = 0
+        for name, value in converted.items():
+            values[name].append(value)
+    n = err.size
+    index = np.arange(n, dtype=np.int64)
+    index[odd] = n + np.arange(odd.size, dtype=np.int64)
+    take = pa.array(index, type=pa.int64())
+    out = {}
+    for fd in descriptor.fields:
+        extra = pa.array(values[fd.name], type=arrow_type(fd))
+        out[fd.name] = pa.concat_arrays([columns[fd.name], extra]).take(take)
+    return out
+
+
+class _Unrepresentable(Exception):
+    """upb accepted a value that the field's Arrow type cannot hold."""
+
+
+def _py_field(fd: FieldDescriptor, msg: Any) -> Any:
+    """Field ``fd`` of upb message ``msg`` as :func:`arrow_type` lays it out."""
+    value = getattr(msg, fd.name)
+    if is_repeated(fd):
+        if _is_map(fd):
+            entry = _message_type(fd)
+            key_fd, value_fd = entry.fields_by_name["key"], entry.fields_by_name["value"]
+            keys = sorted((_py_scalar(key_fd, k), k) for k in value)
+            return [{"key": key, "value": _py_scalar(value_fd, value[k])} for key, k in keys]
+        return [_py_scalar(fd, v) for v in value]
+    if _has_presence(fd) and not msg.HasField(fd.name):
+        return None
+    return _py_scalar(fd, value)
+
+
+def _py_scalar(fd: FieldDescriptor, value: Any) -> Any:
+    if fd.type in _MESSAGE_TYPES:
+        return {f.name: _py_field(f, value) for f in _message_type(fd).fields}
+    if fd.type == _T.TYPE_STRING and isinstance(value, bytes):
+        raise _Unrepresentable(fd.full_name)
+    return value
 
 
 _LOW7: Final = np.uint64(0x7F7F7F7F7F7F7F7F)
@@ -190,7 +319,7 @@ def _read_long_varints(buf: U8, pos: I64, idx: I64, value: U64, after: I64,
         idx, p = idx[more], p[more] + 1
         if not idx.size:
             return
-    err[rows[idx]] = _E_VARINT
+    _mark(err, rows[idx], _E_VARINT)
     after[idx] = pos[idx]
 
 
@@ -214,12 +343,11 @@ def _fixed(buf: U8, pos: I64, width: int, dtype: str) -> npt.NDArray[Any]:
 class _Field:
     """Accumulates one field's occurrences across steps."""
 
-    __slots__ = ("elem_lens", "elem_pos", "elem_rows", "elem_vals", "fd", "last_step", "merge",
-                 "pack_len", "pack_pos",
-                 "pack_rows", "pack_step", "present", "single_len", "single_pos",
-                 "single_step", "value")
+    __slots__ = ("elem_pos", "elem_rows", "elem_vals", "fd", "last_step", "oneof_seen",
+                 "pack_len", "pack_pos", "pack_rows", "pack_step", "packable", "present",
+                 "repeated", "single_len", "single_step", "value", "watch_repeats")
 
-    def __init__(self, fd: FieldDescriptor, n: int) -> None:
+    def __init__(self, fd: FieldDescriptor, n: int, oneof_seen: Bools | None) -> None:
         self.fd = fd
         self.present = np.zeros(n, dtype=np.bool_)
         self.value = np.zeros(n, dtype=np.uint64)
@@ -231,10 +359,18 @@ class _Field:
         self.pack_pos: list[I64] = []
         self.pack_len: list[I64] = []
         self.pack_step: list[I64] = []
-        self.single_pos: list[I64] = []
         self.single_len: list[I64] = []
-        self.elem_lens: list[I64] = []
-        self.merge = False
+        self.repeated = is_repeated(fd)
+        # Only repeated scalars (numbers, bools, enums) have a packed encoding.
+        self.packable = self.repeated and fd.type not in _LEN_TYPES
+        # A second occurrence of a singular message (merged by upb) or of a string
+        # upb validates (the overwritten one must be valid UTF-8 too), or of any
+        # member of a oneof (upb clears a message member when the case changes),
+        # sends the row to upb.
+        self.oneof_seen = oneof_seen
+        self.watch_repeats = not self.repeated and (
+            fd.type in _MESSAGE_TYPES or oneof_seen is not None
+            or (fd.type == _T.TYPE_STRING and _validates_utf8(fd)))
         self.last_step = (np.full(n, -1, dtype=np.int64)
                           if fd.containing_oneof is not None else None)
 
@@ -243,9 +379,14 @@ def _decode_message(
     desc: Descriptor, buf: U8, starts: I64, ends: I64, err: npt.NDArray[np.int8]
 ) -> dict[str, pa.Array]:
     n = starts.size
-    fields = {fd.number: _Field(fd, n) for fd in desc.fields}
+    seen = {oneof.full_name: np.zeros(n, dtype=np.bool_) for oneof in desc.oneofs}
+    fields = {fd.number: _Field(fd, n, None if fd.containing_oneof is None
+                                else seen[fd.containing_oneof.full_name])
+              for fd in desc.fields}
     expected = {number: _expected_wire_type(f.fd) for number, f in fields.items()}
     max_number = max(fields, default=0)
+    map_entry = bool(desc.GetOptions().map_entry)
+    extension_ranges = [(int(a), int(b)) for a, b in desc.extension_ranges]
     keep = starts < ends
     act = np.flatnonzero(keep)
     pos = starts[act]
@@ -260,6 +401,9 @@ def _decode_message(
             p = pos + 1
         else:
             tag64, p = _read_varint(buf, pos, err, act)
+            bad_tag = (tag64 > np.uint64(0xFFFFFFFF)) | (p - pos > 5)
+            if bad_tag.any():
+                _mark(err, act[bad_tag], _E_TAG)
             tag = np.minimum(tag64, np.uint64(1 << 40)).astype(np.int64)
         wt = tag & 7
         fnum = tag >> 3
@@ -294,7 +438,12 @@ def _decode_message(
                 val[m] = ln
                 dpos = p.copy()
                 dpos[m] = after
-            bad = (wt == _WT_SGROUP) | (wt == _WT_EGROUP) | (wt > _WT_I32)
+            # upb skips a group in an unknown field (or one whose wire type doesn't
+            # match): rare, so such rows go to upb.
+            group = wt == _WT_SGROUP
+            if group.any():
+                _mark(err, act[group], _F_GROUP)
+            bad = (wt == _WT_EGROUP) | (wt > _WT_I32)
             if bad.any():
                 _mark(err, act[bad], _E_GROUP)
         over_end = nxt > end
@@ -302,6 +451,19 @@ def _decode_message(
             _mark(err, act[over_end], _E_TRUNCATED)
         if (fnum == 0).any():
             _mark(err, act[fnum == 0], _E_TAG)
+        for first_number, last_number in extension_ranges:
+            # upb parses (and validates) extensions it knows: to upb.
+            ext = (fnum >= first_number) & (fnum <= last_number)
+            if ext.any():
+                _mark(err, act[ext], _F_OTHER)
+        if map_entry:
+            # upb keeps a map entry with an unknown field (or a key or value of the
+            # wrong wire type) out of the map: rare, so such rows go to upb.
+            known = np.zeros(act.size, dtype=np.bool_)
+            for number, wire_type in expected.items():
+                known |= (fnum == number) & (wt == wire_type)
+            if not known.all():
+                _mark(err, act[~known], _F_OTHER)
         errors_seen = int(np.count_nonzero(err))
         if errors_seen != errors_before:
             failed = err[act] != 0
@@ -320,7 +482,8 @@ def _decode_message(
                 sel = np.flatnonzero(fnum == number)
             else:
                 sel = np.flatnonzero((fnum == number) & ok_mask)
-            _take(f, expected[number], sel, uniform, wt, act, val, dpos, step)
+            if _take(f, expected[number], sel, uniform, wt, act, val, dpos, step, err):
+                errors_seen = int(np.count_nonzero(err))
         going = nxt < end
         if not going.all():
             act, pos, end = act[going], nxt[going], end[going]
@@ -355,6 +518,8 @@ def _bounded(ln: U64, after: I64, ends: I64, rows: I64, err: npt.NDArray[np.int8
 
 def _expected_wire_type(fd: FieldDescriptor) -> int:
     t = fd.type
+    if t == _T.TYPE_GROUP:
+        return _WT_SGROUP
     if t in _VARINT_TYPES:
         return _WT_VARINT
     if t in _I64_TYPES:
@@ -365,33 +530,35 @@ def _expected_wire_type(fd: FieldDescriptor) -> int:
 
 
 def _take(f: _Field, expected: int, sel: I64 | None, uniform: int | None, wt: I64,
-          act: I64, val: U64, dpos: I64, step: int) -> None:
+          act: I64, val: U64, dpos: I64, step: int, err: npt.NDArray[np.int8]) -> bool:
     """Record field ``f``'s occurrences at this step: the entries ``sel`` of the
-    step's arrays (all of them when ``sel`` is None)."""
+    step's arrays (all of them when ``sel`` is None). True if rows were sent to upb."""
     if sel is None:
         if uniform is None:
             sel = np.arange(act.size, dtype=np.int64)
         elif uniform == expected:
-            _record(f, expected, act, val, dpos, step)
-            return
-        elif uniform == _WT_LEN and is_repeated(f.fd):
+            return _record(f, expected, act, val, dpos, step, err)
+        elif uniform == _WT_LEN and f.packable:
             _record_packed(f, act, val, dpos, step)
-            return
+            return False
         else:
-            return
+            return False
     sub_wt = wt[sel]
     single = sel[sub_wt == expected]
+    sent = False
     if single.size:
-        _record(f, expected, act[single], val[single] if val.size else val,
-                dpos[single], step)
-    if is_repeated(f.fd) and expected != _WT_LEN:
+        sent = _record(f, expected, act[single], val[single] if val.size else val,
+                       dpos[single], step, err)
+    if f.packable:
         packed = sel[sub_wt == _WT_LEN]
         if packed.size:
             _record_packed(f, act[packed], val[packed], dpos[packed], step)
+    return sent
 
 
-def _record(f: _Field, expected: int, rows: I64, val: U64, dpos: I64, step: int) -> None:
-    if is_repeated(f.fd):
+def _record(f: _Field, expected: int, rows: I64, val: U64, dpos: I64, step: int,
+            err: npt.NDArray[np.int8]) -> bool:
+    if f.repeated:
         f.elem_rows.append(rows)
         f.single_step.append(np.full(rows.size, step, dtype=np.int64))
         if expected == _WT_VARINT:
@@ -400,23 +567,28 @@ def _record(f: _Field, expected: int, rows: I64, val: U64, dpos: I64, step: int)
             f.elem_pos.append(dpos)
             if expected == _WT_LEN:
                 f.single_len.append(val.astype(np.int64))
-        return
-    if f.fd.type == _T.TYPE_MESSAGE:
-        f.merge = f.merge or bool(f.present[rows].any())
-        f.elem_rows.append(rows)
-        f.elem_pos.append(dpos)
-        f.elem_lens.append(val.astype(np.int64))
+        return False
+    sent = False
+    if f.watch_repeats:
+        seen = f.present if f.oneof_seen is None else f.oneof_seen
+        again = seen[rows]
+        if again.any():
+            _mark(err, rows[again], _F_OTHER)
+            sent = True
+        if f.oneof_seen is not None:
+            f.oneof_seen[rows] = True
     f.present[rows] = True
     if f.last_step is not None:
         f.last_step[rows] = step
     if expected == _WT_VARINT:
         f.value[rows] = val
-        return
+        return sent
     f.value[rows] = dpos.astype(np.uint64)
     if expected == _WT_LEN:
         if not f.single_len:
             f.single_len.append(np.zeros(f.present.size, dtype=np.int64))
         f.single_len[0][rows] = val.astype(np.int64)
+    return sent
 
 
 def _record_packed(f: _Field, rows: I64, val: U64, dpos: I64, step: int) -> None:
@@ -435,9 +607,11 @@ def _convert_varint(t: int, raw: U64) -> npt.NDArray[Any]:
         return raw.astype(np.uint32)
     if t == _T.TYPE_UINT64:
         return raw
-    if t in (_T.TYPE_SINT32, _T.TYPE_SINT64):
-        signed = (raw >> np.uint64(1)).view(np.int64) ^ -(raw & np.uint64(1)).view(np.int64)
-        return signed.astype(np.int32) if t == _T.TYPE_SINT32 else signed
+    if t == _T.TYPE_SINT32:
+        low = raw.astype(np.uint32)  # upb zigzag-decodes the low 32 bits
+        return (low >> np.uint32(1)).view(np.int32) ^ -(low & np.uint32(1)).view(np.int32)
+    if t == _T.TYPE_SINT64:
+        return (raw >> np.uint64(1)).view(np.int64) ^ -(raw & np.uint64(1)).view(np.int64)
     return np.not_equal(raw, 0)
 
 
@@ -462,7 +636,7 @@ def _len_values(fd: FieldDescriptor, buf: U8, pos: I64, lengths: I64, owners: I6
     count = pos.size
     validity = None if mask is None else pa.array(mask, type=pa.bool_()).buffers()[1]
     null_count = -1 if mask is not None else 0
-    if fd.type == _T.TYPE_MESSAGE:
+    if fd.type in _MESSAGE_TYPES:
         sub_err = np.zeros(count, dtype=np.int8)
         sub_starts = pos
         sub_ends = pos + lengths
@@ -471,8 +645,9 @@ def _len_values(fd: FieldDescriptor, buf: U8, pos: I64, lengths: I64, owners: I6
         children = _decode_message(_message_type(fd), buf, sub_starts, sub_ends, sub_err)
         failed = np.flatnonzero(sub_err)
         if failed.size:
-            owners_failed = owners[failed]
-            err[owners_failed[err[owners_failed] == 0]] = _E_NESTED
+            odd = sub_err[failed] >= _F_GROUP
+            _mark(err, owners[failed[~odd]], _E_NESTED)
+            _mark(err, owners[failed[odd]], _F_OTHER)
         struct_type = _scalar_arrow_type(fd)
         return pa.Array.from_buffers(
             struct_type, count, [validity], null_count=null_count,
@@ -496,8 +671,10 @@ def _len_values(fd: FieldDescriptor, buf: U8, pos: I64, lengths: I64, owners: I6
                     item.decode("utf-8")
             except UnicodeDecodeError:
                 bad.append(i)
-        owners_bad = owners[np.asarray(bad, dtype=np.int64)]
-        err[owners_bad[err[owners_bad] == 0]] = _E_UTF8
+        # Without validation upb accepts the string (as bytes): let it decide the
+        # row, which becomes _E_UTF8_UNCHECKED if it is otherwise valid.
+        _mark(err, owners[np.asarray(bad, dtype=np.int64)],
+              _E_UTF8 if _validates_utf8(fd) else _F_UTF8)
         bad_set = set(bad)
         return pa.array([None if v is None or i in bad_set else v.decode("utf-8")
                          for i, v in enumerate(raw)], type=pa.string())
@@ -507,42 +684,51 @@ def _finish(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> pa.Array:
     fd = f.fd
     t = fd.type
     all_rows = np.arange(n, dtype=np.int64)
-    if not is_repeated(fd):
-        has_presence = fd.has_presence
-        mask = f.present if has_presence else None
-        if f.merge:
-            return _merged_messages(f, buf, err, n)
-        if t in _LEN_TYPES:
-            lengths = f.single_len[0] if f.single_len else np.zeros(n, dtype=np.int64)
-            pos = f.value.astype(np.int64)
-            if mask is None:
-                pos = np.where(f.present, pos, 0)
-            return _len_values(fd, buf, pos, lengths, all_rows, err, mask)
-        raw = f.value
-        if t not in _VARINT_TYPES:
-            raw = np.where(f.present, raw, np.uint64(buf.size - _PAD))
-        values = _scalar_values(fd, buf, raw)
+    if f.repeated:
+        return _finish_repeated(f, buf, err, n)
+    mask = f.present if _has_presence(fd) else None
+    if t in _LEN_TYPES:
+        lengths = f.single_len[0] if f.single_len else np.zeros(n, dtype=np.int64)
+        pos = f.value.astype(np.int64)
         if mask is None:
-            return values
-        return pa.Array.from_buffers(values.type, n, [
-            pa.array(mask, type=pa.bool_()).buffers()[1], values.buffers()[1]], null_count=-1)
-    return _finish_repeated(f, buf, err, n)
+            pos = np.where(f.present, pos, 0)
+        return _len_values(fd, buf, pos, lengths, all_rows, err, mask)
+    raw = f.value
+    if t not in _VARINT_TYPES:
+        raw = np.where(f.present, raw, np.uint64(buf.size - _PAD))
+    closed = _closed_enum_values(fd)
+    if closed is not None:
+        # upb keeps an unknown value of a closed enum out of the field (the previous
+        # value stays): rare, so such rows go to upb.
+        unknown = f.present & ~np.isin(raw.astype(np.uint32).view(np.int32), closed)
+        if unknown.any():
+            _mark(err, all_rows[unknown], _F_OTHER)
+    values = _scalar_values(fd, buf, raw)
+    if mask is None:
+        return values
+    return pa.Array.from_buffers(values.type, n, [
+        pa.array(mask, type=pa.bool_()).buffers()[1], values.buffers()[1]], null_count=-1)
 
 
-def _merged_messages(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> pa.Array:
-    """A singular message field that occurs more than once in some row: protobuf
-    merges the occurrences, which is what parsing their concatenation does."""
-    rows = np.concatenate(f.elem_rows)
-    order = np.argsort(rows, kind="stable")
-    rows = rows[order]
-    data, _ = _gather_ranges(buf, np.concatenate(f.elem_pos)[order],
-                             np.concatenate(f.elem_lens)[order])
-    per_row = np.bincount(rows, weights=np.concatenate(f.elem_lens)[order],
-                          minlength=n).astype(np.int64)
-    ends = np.cumsum(per_row)
-    merged = np.concatenate((data, np.zeros(_PAD, dtype=np.uint8)))
-    return _len_values(f.fd, merged, ends - per_row, per_row, np.arange(n, dtype=np.int64),
-                       err, f.present)
+def _map_entries(rows: I64, entries: pa.StructArray) -> tuple[I64, pa.Array]:
+    """One entry per key and row, the last one on the wire (protobuf's rule),
+    sorted by key: upb's map order is unspecified, so the columns fix one."""
+    if rows.size == 0:
+        return rows, entries
+    table = pa.table({"r": rows, "k": entries.field("key"),
+                      "i": np.arange(rows.size, dtype=np.int64)})
+    order = np.asarray(pc.sort_indices(
+        table, sort_keys=[("r", "ascending"), ("k", "ascending"), ("i", "ascending")]),
+        dtype=np.int64)
+    sorted_rows = rows[order]
+    keys = entries.field("key").take(pa.array(order))
+    keep = np.ones(rows.size, dtype=np.bool_)
+    keep[:-1] = (sorted_rows[:-1] != sorted_rows[1:]) | np.asarray(
+        pc.not_equal(keys[:-1], keys[1:]), dtype=np.bool_)
+    if keep.all() and bool((order == np.arange(rows.size)).all()):
+        return rows, entries
+    chosen = order[keep]
+    return rows[chosen], entries.take(pa.array(chosen))
 
 
 def _finish_repeated(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> pa.Array:
@@ -557,6 +743,8 @@ def _finish_repeated(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> p
         order = np.argsort(rows, kind="stable")
         rows, pos, lens = rows[order], pos[order], lens[order]
         values = _len_values(fd, buf, pos, lens, rows, err, None)
+        if _is_map(fd):
+            rows, values = _map_entries(rows, values)
         return _lists(rows, values, n)
     if t in _VARINT_TYPES:
         raw_parts = list(f.elem_vals)
@@ -573,7 +761,7 @@ def _finish_repeated(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> p
             counts = plen // width
             bad = (plen % width) != 0
             if bad.any():
-                err[prow[bad]] = _E_TRUNCATED
+                _mark(err, prow[bad], _E_PACKED)
                 counts = np.where(bad, 0, counts)
             starts = np.repeat(ppos, counts)
             within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(
@@ -594,6 +782,12 @@ def _finish_repeated(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> p
         subs = np.concatenate(sub_parts)
         order = np.lexsort((subs, steps, rows))
         rows, raw = rows[order], raw[order]
+    closed = _closed_enum_values(fd)
+    if closed is not None and rows.size:
+        # upb drops unknown values of a closed enum from the list: rare, to upb.
+        unknown = ~np.isin(raw.astype(np.uint32).view(np.int32), closed)
+        if unknown.any():
+            _mark(err, rows[unknown], _F_OTHER)
     return _lists(rows, _scalar_values(fd, buf, raw), n)
 
 
