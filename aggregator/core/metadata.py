@@ -13,11 +13,16 @@ for one topic-partition:
   the resume offset), that block's first and last offset.
 
 Encoding: ``"ba1:" + base85(msgpack([run, batch, start, end, resume, packed]))``
-where ``packed`` is a byte string of unsigned LEB128 varints, three per block,
+or, when strictly shorter, ``msgpack([run, batch, start, end, resume, packed,
+[blocks, w1, w2, w3]])``. Either way the block list holds three values per block,
 sorted by table id: ``table_id - previous_table_id`` (the first one raw),
-``first - start`` and ``end - 1 - last``. The relative offsets keep 500 tables
-under the broker's default 4096-byte limit for typical batches; offsets themselves
-are 64-bit. The string is ASCII, so valid UTF-8 without NUL.
+``first - start`` and ``end - 1 - last``; the six-field body packs them as unsigned
+LEB128 varints, the seven-field body as fixed-width bit fields (each column as wide
+as its largest value, MSB first, zero-padded). The fixed-width layout bounds a block
+at about ``log2(tables) + 2 * log2(batch range)`` bits, so 500 tables fit the
+broker's default 4096-byte limit for batch ranges up to about a million offsets
+wherever the blocks lie. Offsets themselves are 64-bit. The string is ASCII, so
+valid UTF-8 without NUL.
 """
 
 from __future__ import annotations
@@ -206,6 +211,51 @@ def _unpack_varints(data: bytes) -> list[int]:
     return values
 
 
+def _pack_bits(values: list[int]) -> tuple[bytes, list[int]]:
+    """The block list's fixed-width layout: ``values`` (three per block) as bit fields,
+    each of the three columns as wide as its largest value, row after row, MSB first,
+    zero-padded to whole bytes; returns the bytes and ``[blocks, w1, w2, w3]``."""
+    numbers = np.array(values, dtype=np.uint64).reshape(-1, 3)
+    widths = [int(column.max()).bit_length() if column.size else 0 for column in numbers.T]
+    columns = [
+        (numbers[:, [i]] >> np.arange(w - 1, -1, -1, dtype=np.uint64)) & np.uint64(1)
+        for i, w in enumerate(widths)
+    ]
+    bits = np.concatenate(columns, axis=1).astype(np.uint8).reshape(-1)
+    return np.packbits(bits).tobytes(), [numbers.shape[0], *widths]
+
+
+def _unpack_bits(data: bytes, widths: object) -> list[int]:
+    """The values of :func:`_pack_bits`' layout; refuses anything it would not write."""
+    if (
+        not isinstance(widths, list)
+        or len(widths) != 4
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in widths)
+        or widths[0] < 0
+        or not all(0 <= w <= 63 for w in widths[1:])
+    ):
+        raise MetadataDecodeError(f"bad bit widths in the block list: {widths!r:.80}")
+    count, *column_widths = widths
+    row = sum(column_widths)
+    total = count * row
+    if len(data) != (total + 7) // 8:
+        raise MetadataDecodeError(
+            f"block list of {len(data)} bytes does not hold {count} blocks of {row} bits"
+        )
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    if bits[total:].any():
+        raise MetadataDecodeError("non-zero padding in the block list")
+    matrix = bits[:total].reshape(count, row).astype(np.uint64)
+    columns = []
+    left = 0
+    for w in column_widths:
+        weights = np.uint64(1) << np.arange(w - 1, -1, -1, dtype=np.uint64)
+        columns.append(matrix[:, left : left + w] @ weights)
+        left += w
+    values: list[int] = np.stack(columns, axis=1).reshape(-1).tolist()
+    return values
+
+
 def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     """Encode ``metadata`` as the string committed with the offset.
 
@@ -223,12 +273,11 @@ def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
             metadata.end - 1 - block.last,
         )
         previous = block.table_id
-    body = msgpack.packb(
-        [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume,
-         _pack_varints(fields)],
-        use_bin_type=True,
-    )
-    text = PREFIX + _b85encode(body)
+    header = [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume]
+    varints = msgpack.packb([*header, _pack_varints(fields)], use_bin_type=True)
+    packed, widths = _pack_bits(fields)
+    bits = msgpack.packb([*header, packed, widths], use_bin_type=True)
+    text = PREFIX + _b85encode(bits if len(bits) < len(varints) else varints)
     if len(text) > max_bytes:
         raise MetadataTooLarge(
             f"metadata for {len(metadata.blocks)} tables encodes to {len(text)} bytes, over "
@@ -253,14 +302,16 @@ def decode(text: str) -> Metadata:
         fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise MetadataDecodeError(f"corrupt metadata body: {exc}") from exc
-    if not isinstance(fields, list) or len(fields) != 6:
-        raise MetadataDecodeError(f"expected 6 fields in the metadata body, got {fields!r:.80}")
-    run, batch, start, end, resume, packed = fields
+    if not isinstance(fields, list) or len(fields) not in (6, 7):
+        raise MetadataDecodeError(
+            f"expected 6 or 7 fields in the metadata body, got {fields!r:.80}"
+        )
+    run, batch, start, end, resume, packed = fields[:6]
     if not all(isinstance(v, int) for v in (run, batch, start, end, resume)):
         raise MetadataDecodeError("metadata header fields must be integers")
     if not isinstance(packed, bytes):
         raise MetadataDecodeError("metadata block list must be bytes")
-    values = _unpack_varints(packed)
+    values = _unpack_varints(packed) if len(fields) == 6 else _unpack_bits(packed, fields[6])
     if len(values) % 3:
         raise MetadataDecodeError("truncated varint in the block list")
     deltas = values[0::3]

@@ -65,9 +65,27 @@ def test_500_tables_fit_the_default_limit_for_a_100k_offset_batch() -> None:
     assert decode(text) == metadata
 
 
+def test_500_tables_fit_a_mid_batch_intent_over_a_million_offsets() -> None:
+    """The worst case of the varint layout (blocks far from both batch edges) fits in
+    the fixed-width layout: about 9 + 2 * 20 bits per block."""
+    start, end = 3_000_000_000, 3_001_000_000
+    spread = [(t * 7_919**2) % 990_000 for t in range(1, 501)]
+    blocks = tuple(
+        BlockRange(t, start + 5_000 + s, start + 5_000 + s + (t * 104_729) % 4_000)
+        for t, s in zip(range(1, 501), spread, strict=True)
+    )
+    metadata = Metadata(2**64 - 1, 10**9, start, end, start + 5_000, blocks)
+    text = encode(metadata)
+    assert len(text) <= 4096
+    assert decode(text) == metadata
+
+
 def test_too_large_raises_naming_offset_metadata_max_bytes() -> None:
-    blocks = tuple(BlockRange(t, 100_000 + t, 1_000_000 - t) for t in range(1, 501))
-    metadata = Metadata(1, 1, 0, 4_000_000, 100_000, blocks)
+    blocks = tuple(
+        BlockRange(t, (t * 7_919**3) % 2**40, (t * 7_919**3) % 2**40 + (t * 104_729) % 2**38)
+        for t in range(1, 501)
+    )
+    metadata = Metadata(1, 1, 0, 2**41, 0, blocks)
     with pytest.raises(MetadataTooLarge, match=r"offset\.metadata\.max\.bytes"):
         encode(metadata)
 
@@ -143,23 +161,34 @@ def test_any_fields_decode_or_raise_decode_error_only(header: list[int], packed:
 
 
 def reference_encode(metadata: Metadata) -> str:
-    """The layout of docs/metadata.md written the plain way (base64, a varint loop):
-    the column-wise codec must produce and accept exactly these strings."""
-    packed = bytearray()
+    """The layouts of docs/metadata.md written the plain way (base64, a varint loop, a
+    string of bits): the column-wise codec must produce and accept exactly these
+    strings, choosing the fixed-width layout only when it is strictly shorter."""
+    values: list[int] = []
     previous = 0
     for block in metadata.blocks:
-        for value in (block.table_id - previous, block.first - metadata.start,
-                      metadata.end - 1 - block.last):
-            while value >= 0x80:
-                packed.append((value & 0x7F) | 0x80)
-                value >>= 7
-            packed.append(value)
+        values += (block.table_id - previous, block.first - metadata.start,
+                   metadata.end - 1 - block.last)
         previous = block.table_id
-    body = msgpack.packb(
-        [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume,
-         bytes(packed)],
-        use_bin_type=True,
+    header = [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume]
+    packed = bytearray()
+    for value in values:
+        while value >= 0x80:
+            packed.append((value & 0x7F) | 0x80)
+            value >>= 7
+        packed.append(value)
+    varints = msgpack.packb([*header, bytes(packed)], use_bin_type=True)
+    widths = [max(values[i::3], default=0).bit_length() for i in range(3)]
+    bits = "".join(
+        format(value, f"0{widths[i % 3]}b") if widths[i % 3] else ""
+        for i, value in enumerate(values)
     )
+    bits += "0" * (-len(bits) % 8)
+    fixed = bytes(int(bits[i : i + 8], 2) for i in range(0, len(bits), 8))
+    fixed_body = msgpack.packb(
+        [*header, fixed, [len(metadata.blocks), *widths]], use_bin_type=True
+    )
+    body = fixed_body if len(fixed_body) < len(varints) else varints
     return PREFIX + base64.b85encode(body).decode("ascii")
 
 
@@ -179,3 +208,16 @@ def test_base85_matches_the_standard_library(data: bytes) -> None:
     text = base64.b85encode(data).decode("ascii")
     assert _b85encode(data) == text
     assert _b85decode(text) == data
+
+
+@settings(max_examples=500, derandomize=True)
+@given(
+    st.binary(max_size=48),
+    st.lists(st.integers(min_value=-2, max_value=2**20), min_size=0, max_size=5)
+    | st.lists(st.booleans(), max_size=4)
+    | st.text(max_size=4),
+)
+def test_garbage_fixed_width_block_lists_are_decode_errors(data: bytes, widths: object) -> None:
+    body = msgpack.packb([1, 2, 0, 1_000, 10, data, widths], use_bin_type=True)
+    with contextlib.suppress(MetadataDecodeError):
+        decode(PREFIX + base64.b85encode(body).decode("ascii"))
