@@ -2,7 +2,8 @@
 
 ``fault_stack`` (session) brings up the suite's **private** stack (``.stack/faults``,
 ports = defaults + 2000; see :mod:`tests.faults.stack`) so that killing its services
-never disturbs tests using the default stack, and returns its :class:`StackControl`.
+never disturbs tests using the default stack, yields its :class:`StackControl`, and
+stops it when the session ends, so nothing of the suite outlives the test run.
 After each test that used it, every service is brought back up (``scripts/stack up``),
 so a scenario that failed half-way never leaves the next one without ZooKeeper.
 """
@@ -17,13 +18,14 @@ from tests.faults.stack import StackControl, fault_stack_env
 
 
 @pytest.fixture(scope="session")
-def fault_stack() -> StackControl:
+def fault_stack() -> Iterator[StackControl]:
     control = StackControl(fault_stack_env())
     try:
         control.up()
     except RuntimeError as exc:
         pytest.fail(f"the fault suite's private stack did not come up: {exc}")
-    return control
+    yield control
+    control.down()
 
 
 @pytest.fixture
