@@ -393,6 +393,9 @@ def _decode_message(
     end = ends[act]
     step = 0
     errors_seen = int(np.count_nonzero(err))
+    # Invariant: the active rows have no error code (a row leaves at the step it
+    # gets one), so a step's new codes always change errors_seen, and every active
+    # row advances by at least one byte per step.
     while act.size:
         errors_before = errors_seen
         first = buf[pos]
@@ -472,6 +475,7 @@ def _decode_message(
         else:
             ok_mask = None
         counts = np.bincount(np.minimum(fnum, max_number + 1), minlength=max_number + 2)
+        sent = False
         for number in (np.flatnonzero(counts[1:max_number + 1]) + 1).tolist():
             f = fields.get(number)
             if f is None:
@@ -482,8 +486,12 @@ def _decode_message(
                 sel = np.flatnonzero(fnum == number)
             else:
                 sel = np.flatnonzero((fnum == number) & ok_mask)
-            if _take(f, expected[number], sel, uniform, wt, act, val, dpos, step, err):
-                errors_seen = int(np.count_nonzero(err))
+            sent |= _take(f, expected[number], sel, uniform, wt, act, val, dpos, step, err)
+        if sent:
+            # Rows sent to upb while recording stop here (see the invariant).
+            stopped = err[act] != 0
+            nxt[stopped] = end[stopped]
+            errors_seen = int(np.count_nonzero(err))
         going = nxt < end
         if not going.all():
             act, pos, end = act[going], nxt[going], end[going]

@@ -246,6 +246,10 @@ EDGE_ROWS = [
     b"\xaa\x01\x00",  # an empty packed run
     b"\xb2\x01\x01\x02",  # zigzags (declared unpacked) sent packed
     b"\x08\x01\x12\x02\x08\x01",  # a known field of the wrong wire type
+    # a row sent to upb while recording, then an over-long varint (used to hang)
+    b"\xa2\x01\x00\xa2\x01\x00\x08\x01\x08" + b"\x80" * 11 + b"\x01",
+    b"\x72\x01a\x72\x01b\x08" + b"\x80" * 11,
+    b"\xe0\x01\x01\xe0\x01\x02\x08" + b"\xff" * 12,
 ]
 
 
