@@ -379,9 +379,11 @@ def _decode_message(
     desc: Descriptor, buf: U8, starts: I64, ends: I64, err: npt.NDArray[np.int8]
 ) -> dict[str, pa.Array]:
     n = starts.size
-    seen = {oneof.full_name: np.zeros(n, dtype=np.bool_) for oneof in desc.oneofs}
+    # Oneofs of one member (proto3 ``optional``) behave like any singular field.
+    seen = {oneof.full_name: np.zeros(n, dtype=np.bool_)
+            for oneof in desc.oneofs if len(oneof.fields) > 1}
     fields = {fd.number: _Field(fd, n, None if fd.containing_oneof is None
-                                else seen[fd.containing_oneof.full_name])
+                                else seen.get(fd.containing_oneof.full_name))
               for fd in desc.fields}
     expected = {number: _expected_wire_type(f.fd) for number, f in fields.items()}
     max_number = max(fields, default=0)
