@@ -11,10 +11,11 @@ by the same routine over their byte ranges.
 
 Semantics are upb's (``google.protobuf`` with the upb backend), for every input: a
 row is either decoded to exactly what upb decodes, or reported in
-:attr:`Decoded.errors` exactly when upb raises ``DecodeError`` (truncated, over-long
-varints or tags, field number 0, lengths past the row, stray end-group tags, wire
-types 6 and 7, invalid UTF-8 in a ``string`` field that validates it, a nested
-message that does not decode). Unknown fields and fields whose wire type doesn't
+:attr:`Decoded.errors` exactly when upb raises ``DecodeError`` (truncated; varints
+over 10 bytes; tags over 5 bytes or 2**32; length prefixes over 5 bytes, whatever
+their value; field number 0; lengths past the row; stray end-group tags; wire types
+6 and 7; invalid UTF-8 in a ``string`` field that validates it; a nested message
+that does not decode). Unknown fields and fields whose wire type doesn't
 match their declaration are skipped; for a singular field the last occurrence wins;
 repeated scalars accept packed and unpacked encodings, mixed; a map keeps the last
 entry for each key. Rows the lock-step parse doesn't reproduce cheaply are rare
@@ -82,6 +83,7 @@ _E_NESTED: Final = 5
 _E_TAG: Final = 6
 _E_UTF8_UNCHECKED: Final = 7
 _E_PACKED: Final = 8
+_E_LENGTH: Final = 9
 # Codes >= _F_GROUP are not errors: the row is one the lock-step parse doesn't
 # reproduce cheaply, and decode_rows hands it to upb (see _fallback).
 _F_GROUP: Final = 20
@@ -98,6 +100,7 @@ _REASONS: Final = {
     _E_UTF8_UNCHECKED: "string field holds invalid UTF-8: its schema does not ask for UTF-8 "
                        "validation, so upb accepts the row, but a string column cannot hold it",
     _E_PACKED: "packed fixed-width field's length is not a multiple of its width",
+    _E_LENGTH: "row has a length prefix longer than 5 bytes",
     _F_GROUP: "row has a malformed group (upb rejects it)",
     _F_OTHER: "row does not decode (upb rejects it)",
     _F_UTF8: "row does not decode (upb rejects it)",
@@ -420,7 +423,7 @@ def _decode_message(
             val, nxt = _read_varint(buf, p, err, act)
         elif uniform == _WT_LEN:
             val, dpos = _read_varint(buf, p, err, act)
-            nxt = _bounded(val, dpos, end, act, err)
+            nxt = _bounded(val, p, dpos, end, act, err)
         elif uniform is not None:
             val = np.zeros(0, dtype=np.uint64)
             nxt = p + (8 if uniform == _WT_I64 else 4)
@@ -439,7 +442,7 @@ def _decode_message(
             if wt_counts[_WT_LEN]:
                 m = wt == _WT_LEN
                 ln, after = _read_varint(buf, p[m], err, act[m])
-                nxt[m] = _bounded(ln, after, end[m], act[m], err)
+                nxt[m] = _bounded(ln, p[m], after, end[m], act[m], err)
                 val[m] = ln
                 dpos = p.copy()
                 dpos[m] = after
@@ -514,14 +517,20 @@ def _mark(err: npt.NDArray[np.int8], rows: I64, code: int) -> None:
     err[rows[err[rows] == 0]] = code
 
 
-def _bounded(ln: U64, after: I64, ends: I64, rows: I64, err: npt.NDArray[np.int8]) -> I64:
-    """End positions of length-delimited values; lengths past the row's end mark
-    the row truncated (and are clamped so nothing reads past the buffer)."""
+def _bounded(ln: U64, start: I64, after: I64, ends: I64, rows: I64,
+             err: npt.NDArray[np.int8]) -> I64:
+    """End positions of length-delimited values whose length varint is at
+    ``start:after``; lengths past the row's end mark the row truncated, length
+    varints longer than 5 bytes (upb's limit, whatever their value) mark it too;
+    both are clamped so nothing reads past the buffer."""
+    long = after - start > 5
+    if long.any():
+        _mark(err, rows[long], _E_LENGTH)
+        ln[long] = 0
     room = ends - after
     over = ln > np.maximum(room, 0).astype(np.uint64)
     if over.any():
-        rows_over = rows[over]
-        err[rows_over[err[rows_over] == 0]] = _E_TRUNCATED
+        _mark(err, rows[over], _E_TRUNCATED)
         ln[over] = 0
     return after + ln.astype(np.int64)
 

@@ -246,6 +246,11 @@ EDGE_ROWS = [
     b"\xaa\x01\x00",  # an empty packed run
     b"\xb2\x01\x01\x02",  # zigzags (declared unpacked) sent packed
     b"\x08\x01\x12\x02\x08\x01",  # a known field of the wrong wire type
+    b"\x72\x80\x80\x80\x80\x00",  # a length prefix of 5 bytes: fine
+    b"\x72\x80\x80\x80\x80\x80\x00",  # of 6 bytes, value 0: upb rejects
+    b"\xfa\x01\x80\x80\x80\x80\x80\x80\x80\x80\x80\x00",  # unknown field, 10 bytes
+    b"\xaa\x01\x80\x80\x80\x80\x80\x00",  # a packed run
+    b"\xa2\x01\x07\x12\x80\x80\x80\x80\x80\x00",  # in a nested message
     # a row sent to upb while recording, then an over-long varint (used to hang)
     b"\xa2\x01\x00\xa2\x01\x00\x08\x01\x08" + b"\x80" * 11 + b"\x01",
     b"\x72\x01a\x72\x01b\x08" + b"\x80" * 11,
