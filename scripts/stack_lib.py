@@ -634,9 +634,12 @@ class Service:
     def wait_up(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
-            pid = self.pid()
-            if pid is None:
-                raise StackError(self.failure("exited during startup"))
+            if self.pid() is None:
+                # Between fork and exec the child still shows our own command line, so
+                # only a process that is gone (or a zombie) has exited.
+                started = read_pid(self.pidfile)
+                if started is None or not pid_alive(started, ""):
+                    raise StackError(self.failure("exited during startup"))
             if self.probe():
                 return
             time.sleep(0.3)
