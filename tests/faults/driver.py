@@ -211,6 +211,7 @@ class Outcome:
     recover_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     events: list[dict[str, Any]] = field(default_factory=list)
     report: checker.Report | None = None
+    interim: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
     def summary(self) -> dict[str, Any]:
@@ -223,16 +224,32 @@ class Outcome:
                                       if e["kind"] == k) for k in self.faults},
                 "recover_s": {k: stats(v) for k, v in self.recover_s.items()},
                 "check": self.report.summary() if self.report else None,
+                "interim_checks": self.interim,
+                "events": self.events,
                 "seconds": round(self.seconds, 1)}
+
+    def write(self, path: Path | None) -> None:
+        """Rewrite the summary (atomically), so a run cut short leaves its figures."""
+        if path is None:
+            return
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.summary(), indent=1, sort_keys=True))
+        tmp.replace(path)
 
 
 def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed: int,
         folder: Path, tables: int = 20, partitions: int = 4, rows_per_message: int = 10,
         dead_every: int = 97, settle_s: float = 180, catch_up_s: float = 900,
-        rate: float = 0.0) -> tuple[Outcome, Workload, Job]:
+        rate: float = 0.0, check_every: int = 0,
+        json_path: Path | None = None) -> tuple[Outcome, Workload, Job]:
     """``faults`` faults drawn (seeded) from ``kinds`` while ``messages`` are produced;
     after each fault the job is kept running and must catch up with everything
-    produced so far within ``settle_s`` (that wait is the time to recover)."""
+    produced so far within ``settle_s`` (that wait is the time to recover).
+
+    With ``check_every = N``, the full check (:func:`checker.check`) also runs after
+    every Nth fault once caught up: nothing is produced meanwhile, so every row
+    produced so far must already be stored exactly once. Those interim checks and
+    every fault's event go into ``json_path``, rewritten after each fault."""
     rng = random.Random(seed)
     workload = Workload(stack.bootstrap, "127.0.0.1", stack.ch_ports, tables=tables,
                         partitions=partitions, rows_per_message=rows_per_message,
@@ -263,8 +280,17 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
             outcome.faults[kind] += 1
             if took is not None:
                 outcome.recover_s[kind].append(time.monotonic() - recovered)
+            info["at_s"] = round(time.monotonic() - started, 1)
             outcome.events.append(info)
             print(json.dumps(info), file=sys.stderr, flush=True)
+            if check_every and (n + 1) % check_every == 0 and took is not None:
+                interim = {"after_faults": n + 1,
+                           "messages_produced": workload.produced.messages,
+                           **checker.check(workload).summary()}
+                outcome.interim.append(interim)
+                print(json.dumps({"interim_check": interim}), file=sys.stderr, flush=True)
+            outcome.seconds = time.monotonic() - started
+            outcome.write(json_path)
         workload.produce(messages - per_fault * (faults + 1) if
                          messages > per_fault * (faults + 1) else 0)
         if _wait_caught_up(workload, job, catch_up_s) is None:
@@ -299,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--folder", type=Path, default=None)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None,
+                    help="summary file, rewritten after every fault")
+    ap.add_argument("--check-every", type=int, default=0,
+                    help="also run the full check after every Nth fault (0 = only at the end)")
     args = ap.parse_args(argv)
     stack = StackControl(fault_stack_env())
     stack.up()
@@ -308,12 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     outcome, _, _ = run(stack, kinds, args.faults, args.messages, args.seed, folder,
                                tables=args.tables, partitions=args.partitions,
                                rows_per_message=args.rows_per_message,
-                               dead_every=args.dead_every)
+                               dead_every=args.dead_every,
+                               check_every=args.check_every, json_path=args.json)
     summary = outcome.summary()
-    text = json.dumps(summary, indent=1, sort_keys=True)
-    print(text)
-    if args.json:
-        args.json.write_text(text)
+    summary.pop("events")
+    print(json.dumps(summary, indent=1, sort_keys=True))
+    outcome.write(args.json)
     report = outcome.report
     if report is not None and not report.ok:
         print("\n".join(report.problems()), file=sys.stderr)
