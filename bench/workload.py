@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import resource
 import subprocess
 import sys
@@ -28,9 +27,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from proto.descriptors import compile_proto, load_descriptor, message_class  # noqa: E402
 from proto.envelope import make_envelope  # noqa: E402
-from tests.faults.workload import COLUMNS, varint  # noqa: E402
+from tests.faults.workload import COLUMNS, random_events, varint  # noqa: E402
 
 POOL = 1024
 KINDS = ("KIND_UNSPECIFIED", "KIND_VIEW", "KIND_CLICK", "KIND_BUY")
@@ -46,25 +44,14 @@ class PoolEntry:
 
 
 def make_pool(seed: int) -> list[PoolEntry]:
-    cls: Any = message_class(load_descriptor(compile_proto(REPO_ROOT / "bench" / "row.proto"),
-                                             "blockagg.bench.Event"))
-    rng = random.Random(seed)
-    countries = ["DE", "FR", "US", "JP", "BR", "IN", "", "GB"]
+    """The :data:`POOL` row tails of :func:`tests.faults.workload.random_events`, each
+    with its nine values as ClickHouse returns them."""
     out = []
-    for i in range(POOL):
-        m = cls()
-        m.user = rng.randrange(0, 5_000_000)
-        m.delta = rng.randrange(-10_000, 10_000)
-        m.price = rng.random() * 1000
-        m.score = rng.random()
-        m.name = f"user-{rng.randrange(100000)}-event"
-        m.country = rng.choice(countries)
-        m.time.seconds = 1_700_000_000 + i
-        m.kind = rng.randrange(4)
-        m.tags.extend(rng.randrange(1 << 40) for _ in range(rng.randrange(4)))
+    for m in random_events(POOL, seed):
+        tail = m.SerializeToString()
         # float32 round trip so the column value equals what protobuf carries
-        score = cls.FromString(m.SerializeToString()).score
-        out.append(PoolEntry(m.SerializeToString(), (
+        score = type(m).FromString(tail).score
+        out.append(PoolEntry(tail, (
             m.user, m.delta, m.price, score, m.name, m.country, m.time.seconds,
             KINDS[m.kind], list(m.tags))))
     return out

@@ -70,12 +70,13 @@ def row_descriptor_set() -> bytes:
     return compile_proto(ROW_PROTO)
 
 
-def row_tails(count: int, seed: int) -> list[bytes]:
-    """``count`` serialized ``Event``s without the id (field 1), seeded."""
+def random_events(count: int, seed: int) -> list[Any]:
+    """``count`` ``Event`` messages with every field but the id (field 1) set, seeded:
+    the row pool of both the fault workload and the benchmark workload."""
     cls: Any = message_class(load_descriptor(row_descriptor_set(), ROW_MESSAGE))
     rng = random.Random(seed)
     countries = ["DE", "FR", "US", "JP", "BR", "IN", "", "GB"]
-    tails = []
+    events = []
     for i in range(count):
         msg = cls()
         msg.user = rng.randrange(0, 5_000_000)
@@ -87,8 +88,13 @@ def row_tails(count: int, seed: int) -> list[bytes]:
         msg.time.seconds = 1_700_000_000 + i
         msg.kind = rng.randrange(4)
         msg.tags.extend(rng.randrange(1 << 40) for _ in range(rng.randrange(4)))
-        tails.append(msg.SerializeToString())
-    return tails
+        events.append(msg)
+    return events
+
+
+def row_tails(count: int, seed: int) -> list[bytes]:
+    """``count`` serialized ``Event``s without the id (field 1), seeded."""
+    return [msg.SerializeToString() for msg in random_events(count, seed)]
 
 
 @dataclass
