@@ -84,12 +84,44 @@ def load_descriptor(file_descriptor_set: bytes, message_name: str) -> Descriptor
     for name in pending:
         add(name)
     try:
-        return pool.FindMessageTypeByName(message_name)
+        descriptor = pool.FindMessageTypeByName(message_name)
     except KeyError:
         names = sorted(_message_names(fds))
         raise SchemaError(
             f"message {message_name!r} is not in the FileDescriptorSet; it has: "
             f"{', '.join(names[:20]) or '(none)'}") from None
+    check_bounded(descriptor)
+    return descriptor
+
+
+def check_bounded(descriptor: Descriptor) -> None:
+    """Refuse a row type that contains itself (``message Node { repeated Node kids = 1; }``,
+    ``google.protobuf.Struct``): a ClickHouse column has one fixed type, so a row's
+    nesting must be bounded, and the decoder lays out every nested field ahead of time."""
+    path: list[FieldDescriptor] = []
+    open_types: set[str] = set()
+    done: set[str] = set()
+
+    def walk(message: Descriptor) -> None:
+        open_types.add(message.full_name)
+        for fd in message.fields:
+            nested = fd.message_type
+            if nested is None or nested.full_name in done:
+                continue
+            path.append(fd)
+            if nested.full_name in open_types:
+                loop = " -> ".join(f"{f.full_name.split('.')[-2]}.{f.name}" for f in path)
+                raise SchemaError(
+                    f"message {descriptor.full_name} is recursive ({loop} -> "
+                    f"{nested.name}): a row type must have bounded nesting, since each "
+                    "field maps to one ClickHouse column type; flatten the recursive part "
+                    "or carry it as bytes")
+            walk(nested)
+            path.pop()
+        open_types.discard(message.full_name)
+        done.add(message.full_name)
+
+    walk(descriptor)
 
 
 def message_class(descriptor: Descriptor) -> type[Message]:
