@@ -342,7 +342,7 @@ port = 0
                         for k in range(self.args.rows_per_message)]
                 next_id += self.args.rows_per_message
                 producer.produce(topic, value=make_envelope(self.rows.table(m), rows, 1),
-                                 partition=m % self.args.partitions)
+                                 partition=self.rows.partition(m))
                 m += 1
             probe += 1
             producer.produce(topic, value=make_envelope(
@@ -479,9 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(b) for b in args.block_rows.split(",")]
     modes = args.modes.split(",")
     cores = [int(c) for c in args.cores.split(",")]
-    # the mode comparison is repeated, interleaved, and compared best-of (a shared machine's
-    # noise only ever slows a run down)
-    plan = [(m, cores[0], sizes[0]) for _ in range(args.repeat) for m in modes]
+    # the mode comparison is repeated, interleaved in ABBA order (whichever mode runs first
+    # in a pair never always runs first), and compared best-of (a shared machine's noise
+    # only ever slows a run down)
+    plan = [(m, cores[0], sizes[0]) for r in range(args.repeat)
+            for m in (modes if r % 2 == 0 else modes[::-1])]
     plan += [("exactly_once", cores[0], b) for b in sizes[1:]]
     plan += [(m, c, sizes[0]) for c in cores[1:] for m in modes[:1]]
     results = []

@@ -6,8 +6,10 @@ Rows are ``bench/row.proto``'s 10-field ``Event`` (the same 10 columns in ClickH
 nine fields of pool entry ``i % POOL`` (seeded), so every representation can be built
 without materialising Python objects per row: protobuf (field 1 + a pre-serialized
 tail), JSON lines (for ClickHouse's Kafka engine), and columns (for the raw insert).
-Messages carry ``rows_per_message`` consecutive rows of one table; tables are chosen
-round-robin, messages go to partitions round-robin.
+Messages carry ``rows_per_message`` consecutive rows of one table; messages go to
+partitions round-robin, and within each partition to tables round-robin, so every
+partition carries every table (as with keys hashed over partitions): a micro-batch
+forms ``tables x partitions`` blocks.
 """
 
 from __future__ import annotations
@@ -76,7 +78,10 @@ class Rows:
         return -(-self.rows // self.rows_per_message)
 
     def table(self, m: int) -> str:
-        return f"{self.database}.t{m % self.tables:03d}"
+        return f"{self.database}.t{(m // self.partitions) % self.tables:03d}"
+
+    def partition(self, m: int) -> int:
+        return m % self.partitions
 
     def message_ids(self, m: int) -> range:
         first = m * self.rows_per_message + 1
@@ -87,7 +92,7 @@ class Rows:
         pool = self.pool
         for m in range(self.messages):
             rows = [b"\x08" + varint(i) + pool[i % POOL].tail for i in self.message_ids(m)]
-            yield m % self.partitions, make_envelope(self.table(m), rows, version=1)
+            yield self.partition(m), make_envelope(self.table(m), rows, version=1)
 
     def json_messages(self) -> Iterator[tuple[int, bytes]]:
         """(partition, JSONEachRow lines) per message: the same rows for the Kafka engine."""
@@ -101,7 +106,7 @@ class Rows:
                 "kind": kind, "tags": tags})[1:])
         for m in range(self.messages):
             text = "\n".join(f'{{"id":{i},{lines[i % POOL]}' for i in self.message_ids(m))
-            yield m % self.partitions, text.encode()
+            yield self.partition(m), text.encode()
 
     def columns(self, first: int, last: int) -> list[list[Any]]:
         """Columns of rows ``first..last`` (1-based, inclusive), in :data:`COLUMN_NAMES`."""
