@@ -245,6 +245,7 @@ class JobConfig:
     offset_metadata_max_bytes: int = 4096
     lock_timeout: float = 60.0
     stop_timeout: float = 300.0
+    handover: Literal["arrow", "rows"] = "arrow"
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,6 +532,17 @@ def _starting(value: object, path: str) -> Literal["earliest", "latest"]:
     )
 
 
+def _handover(value: object, path: str) -> Literal["arrow", "rows"]:
+    if value == "arrow":
+        return "arrow"
+    if value == "rows":
+        return "rows"
+    raise ConfigError(
+        f"{path}: expected \"arrow\" (Arrow record batches, the default) or \"rows\" "
+        f"(pickled Spark rows, the slower path kept as a baseline), got {value!r}"
+    )
+
+
 def _replica(value: object, path: str) -> Replica:
     text = _str(value, path)
     host, sep, port = text.rpartition(":")
@@ -716,6 +728,7 @@ def from_dict(
         offset_metadata_max_bytes=job_t.take("offset_metadata_max_bytes", _int(64), 4096),
         lock_timeout=job_t.take("lock_timeout", _duration, 60.0),
         stop_timeout=job_t.take("stop_timeout", _duration, 300.0),
+        handover=job_t.take("handover", _handover, "arrow"),
     )
     job_t.done()
     if not job.checkpoint_location:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import secrets
 import signal
@@ -64,7 +65,13 @@ from spark.offsets import (
     starting_offsets_json,
     watermarks,
 )
-from spark.task import TaskContext, run_partition, run_range
+from spark.task import (
+    REPORT_SCHEMA,
+    TaskContext,
+    run_arrow_partition,
+    run_partition,
+    run_range,
+)
 
 log = logs.get("job")
 
@@ -294,7 +301,11 @@ class Driver:
         nonempty = {tp: r for tp, r in ranges.items() if not r.empty}
         ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id)
         reports: list[dict[str, Any]] = []
-        if nonempty:
+        if nonempty and self.config.job.handover == "arrow":
+            rows = df.select(*ROW_COLUMNS).mapInArrow(
+                partial(run_arrow_partition, ctx), REPORT_SCHEMA).collect()
+            reports = [pickle.loads(row[0]) for row in rows]
+        elif nonempty:
             reports = (
                 df.select(*ROW_COLUMNS).rdd.mapPartitions(partial(run_partition, ctx)).collect()
             )

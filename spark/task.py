@@ -1,7 +1,10 @@
 """The per-partition task: one Kafka partition's rows of one micro-batch -> one
 aggregator run -> one report dict for the driver.
 
-``run_partition(ctx, rows)`` is the ``mapPartitions`` function. The Kafka source
+``run_arrow_partition(ctx, batches)`` is the ``mapInArrow`` function (the default
+hand-over, ``job.handover = "arrow"``: columns straight from Arrow, no Python object per
+record) and ``run_partition(ctx, rows)`` the ``rdd.mapPartitions`` one (``"rows"``: a
+pickled ``Row`` per record); both feed :func:`run_range` the same lists. The Kafka source
 gives each Kafka topic-partition range its own Spark partition (``minPartitions`` and
 ``maxRecordsPerPartition`` are refused by the configuration), in offset order; the
 task checks both and refuses rows that break them. It builds a :class:`Batch` over
@@ -15,6 +18,7 @@ it, so the final metadata of that range is still committed.
 
 from __future__ import annotations
 
+import pickle
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -22,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
 from aggregator.config import Config, TopicConfig
@@ -296,6 +302,23 @@ def run_range(
     }
 
 
+def _one_partition(current: TopicPartition | None, tp: TopicPartition) -> TopicPartition:
+    if current is not None and tp != current:
+        raise TaskContractError(
+            f"one Spark partition holds rows of {current[0]}[{current[1]}] and "
+            f"{tp[0]}[{tp[1]}]: a Kafka partition range must be one Spark partition "
+            "(remove minPartitions/maxRecordsPerPartition, do not repartition)"
+        )
+    return tp
+
+
+def _out_of_order(tp: TopicPartition, before: int, after: int) -> TaskContractError:
+    return TaskContractError(
+        f"{tp[0]}[{tp[1]}]: offsets out of order ({before} then {after}): a "
+        "Kafka partition's rows must reach the aggregator in offset order"
+    )
+
+
 def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, Any]]:
     """``mapPartitions`` function: rows are (topic, partition, offset, value, timestamp)."""
     current: TopicPartition | None = None
@@ -303,21 +326,10 @@ def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, A
     values: list[bytes | None] = []
     stamps: list[int] = []
     for row in rows:
-        tp = (row[0], row[1])
-        if current is None:
-            current = tp
-        elif tp != current:
-            raise TaskContractError(
-                f"one Spark partition holds rows of {current[0]}[{current[1]}] and "
-                f"{tp[0]}[{tp[1]}]: a Kafka partition range must be one Spark partition "
-                "(remove minPartitions/maxRecordsPerPartition, do not repartition)"
-            )
+        current = _one_partition(current, (row[0], row[1]))
         offset = int(row[2])
         if offsets and offset <= offsets[-1]:
-            raise TaskContractError(
-                f"{tp[0]}[{tp[1]}]: offsets out of order ({offsets[-1]} then {offset}): a "
-                "Kafka partition's rows must reach the aggregator in offset order"
-            )
+            raise _out_of_order(current, offsets[-1], offset)
         offsets.append(offset)
         value = row[3]
         values.append(bytes(value) if value is not None else None)
@@ -326,3 +338,47 @@ def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, A
     if current is None:
         return
     yield run_range(ctx, current, offsets, values, stamps)
+
+
+REPORT_SCHEMA = "report binary"
+"""The schema of :func:`run_arrow_partition`'s output: one pickled report per task."""
+
+
+def run_arrow_partition(ctx: TaskContext,
+                        batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` function over record batches of (topic, partition, offset, value,
+    timestamp), in offset order; yields one batch holding the pickled report.
+
+    Timestamps are Kafka's milliseconds, which Spark keeps as microseconds: the
+    division is exact."""
+    current: TopicPartition | None = None
+    offsets: list[int] = []
+    values: list[bytes | None] = []
+    stamps: list[int] = []
+    last = -1
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        topics = pc.unique(batch.column("topic")).to_pylist()
+        parts = pc.unique(batch.column("partition")).to_pylist()
+        for topic in topics:
+            for part in parts:
+                current = _one_partition(current, (topic, int(part)))
+        assert current is not None
+        batch_offsets = batch.column("offset").to_numpy(zero_copy_only=False)
+        before = np.concatenate(([last], batch_offsets[:-1])) if offsets else batch_offsets[:-1]
+        after = batch_offsets if offsets else batch_offsets[1:]
+        wrong = np.flatnonzero(after <= before)
+        if wrong.size:
+            raise _out_of_order(current, int(before[wrong[0]]), int(after[wrong[0]]))
+        last = int(batch_offsets[-1])
+        offsets.extend(batch_offsets.tolist())
+        values.extend(batch.column("value").to_pylist())
+        micros = pc.cast(batch.column("timestamp"), pa.int64()).fill_null(0)
+        stamps.extend((micros.to_numpy() // 1000).tolist())
+    if current is None:
+        return
+    report = run_range(ctx, current, offsets, values, stamps)
+    yield pa.RecordBatch.from_pydict(
+        {"report": [pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)]},
+        schema=pa.schema([("report", pa.binary())]))
