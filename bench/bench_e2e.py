@@ -11,6 +11,9 @@ earlier run can never drop a block and flatter the figures), and drains the topi
 * ``exactly_once``: the job as shipped;
 * ``at_least_once``: the same job with ``BLOCKAGG_COMPONENTS=bench.e2e_components:at_least_once``
   (no metadata commits, no replay; see that module);
+* ``exactly_once_rows``: the job as shipped but with ``job.handover = "rows"`` (tasks
+  receive pickled Spark rows instead of Arrow record batches): the baseline of the
+  Arrow hand-over;
 
 over block sizes (``--block-rows``) and cores (``--cores``: ``local[N]`` and the job's
 process tree pinned to N CPUs with ``taskset``; ClickHouse and Kafka are not pinned).
@@ -179,8 +182,9 @@ class Bench:
                 f"{self.database}.dead_letters",
                 zk_path=f"/clickhouse/tables/{{shard}}/{self.database}/g{g}/dead_letters"))
 
-    def config(self, block_rows: int, tag: str) -> tuple[Path, str]:
+    def config(self, block_rows: int, tag: str, mode: str = "exactly_once") -> tuple[Path, str]:
         group = f"e2e-{self.run_id}-{tag}"
+        handover = "rows" if mode == "exactly_once_rows" else "arrow"
         path = self.folder / f"{tag}.toml"
         replicas = ", ".join(f'"127.0.0.1:{p}"' for p in self.ports)
         path.write_text(f"""
@@ -190,6 +194,7 @@ metadata_group_id = "{group}"
 checkpoint_location = "{self.folder / ('cp-' + tag)}"
 trigger_interval = "{self.args.trigger}"
 starting_offsets = "earliest"
+handover = "{handover}"
 {f'max_offsets_per_trigger = {self.args.max_offsets}' if self.args.max_offsets else ''}
 
 [[topics]]
@@ -255,7 +260,7 @@ port = 0
     def one_run(self, mode: str, cores: int, block_rows: int) -> RunResult:
         self.fresh_tables()
         tag = f"{mode}-{cores}-{block_rows}-{self.generation}"
-        config, _ = self.config(block_rows, tag)
+        config, _ = self.config(block_rows, tag, mode)
         log = self.folder / f"{tag}.log"
         s0 = self.servers.cpu()
         t0 = time.perf_counter()
@@ -443,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-rows", default="100000", help="comma list; the first is the "
                     "size of the mode and cores comparison")
     ap.add_argument("--cores", default="2,1")
-    ap.add_argument("--modes", default="exactly_once,at_least_once")
+    ap.add_argument("--modes", default="exactly_once,at_least_once",
+                    help="comma list of exactly_once, at_least_once, exactly_once_rows")
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each mode at the first block size and core count")
     ap.add_argument("--quorum", type=int, default=0)
@@ -497,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                 and r.block_rows == sizes[0] and r.rows == args.rows]
         return max(runs, key=lambda r: r.rows_per_s, default=None)
 
-    eo, alo = best("exactly_once"), best("at_least_once")
+    eo, alo, rows = best("exactly_once"), best("at_least_once"), best("exactly_once_rows")
     lines = [f"rows={args.rows:,} tables={args.tables} partitions={args.partitions} "
              f"rows/message={args.rows_per_message} row_bytes={bench.rows.encoded_row_bytes:.1f}"
              f" topic_MB={size / 1e6:,.0f} quorum={args.quorum} trigger={args.trigger}",
@@ -508,6 +514,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"at-least-once {alo.rows_per_s:,.0f} rows/s (wall incl. start-up "
                      f"{alo.rows / (alo.seconds + alo.startup_s):,.0f}); exactly-once / "
                      f"at-least-once: {eo.rows_per_s / alo.rows_per_s:.2f}")
+    if eo and rows and rows.rows_per_s:
+        lines.append(f"best of {args.repeat}: exactly-once with the Arrow hand-over "
+                     f"{eo.rows_per_s:,.0f} rows/s, with the row hand-over "
+                     f"{rows.rows_per_s:,.0f} rows/s; Arrow / rows: "
+                     f"{eo.rows_per_s / rows.rows_per_s:.2f} (job CPU "
+                     f"{eo.job_cpu_s / eo.rows * 1e6:.1f} vs "
+                     f"{rows.job_cpu_s / rows.rows * 1e6:.1f} s/Mrows)")
     limits = json.loads(args.limits_json.read_text()) if args.limits_json else None
     if limits and eo:
         for r in limits["results"]:
