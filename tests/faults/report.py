@@ -1,0 +1,83 @@
+"""The tables of docs/RELIABILITY.md from a fault run's ``--json`` summary:
+``python -m tests.faults.report faults-1000.json``.
+
+Works on a run still in progress (the driver rewrites the summary after every fault):
+faults per kind, job restarts, time to recover (median / p90 / max over the faults
+that caught up within the settle time), and every check (interim and final)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from tests.faults.driver import KINDS
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, int(q * len(ys)))]
+
+
+def fault_table(events: list[dict[str, Any]]) -> list[str]:
+    recover: dict[str, list[float]] = defaultdict(list)
+    count: dict[str, int] = defaultdict(int)
+    restarts: dict[str, int] = defaultdict(int)
+    unsettled: dict[str, int] = defaultdict(int)
+    for e in events:
+        kind = e["kind"]
+        count[kind] += 1
+        restarts[kind] += int(e.get("job_starts", 0))
+        if e.get("recover_s") is None:
+            unsettled[kind] += 1
+        else:
+            recover[kind].append(float(e["recover_s"]))
+    lines = ["| kind | injected | job restarts | time to recover, median / p90 / max (s) "
+             "| not caught up within the settle time |",
+             "| --- | --- | --- | --- | --- |"]
+    for kind in KINDS:
+        xs = recover[kind]
+        times = (f"{statistics.median(xs):.1f} / {_quantile(xs, 0.9):.1f} / {max(xs):.1f}"
+                 if xs else "-")
+        lines.append(f"| {kind} | {count[kind]} | {restarts[kind]} | {times} "
+                     f"| {unsettled[kind]} |")
+    lines.append(f"| all | {sum(count.values())} | {sum(restarts.values())} | | "
+                 f"{sum(unsettled.values())} |")
+    return lines
+
+
+def check_table(summary: dict[str, Any]) -> list[str]:
+    checks = list(summary.get("interim_checks") or [])
+    if summary.get("check"):
+        checks.append({"after_faults": "final", **summary["check"]})
+    lines = ["| after faults | messages produced | rows expected | rows stored (r1) | "
+             "duplicates | missing | dead letters (r1 / r2 of expected) | verify | audit | ok |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in checks:
+        dead = c.get("dead_stored", {})
+        lines.append(
+            f"| {c['after_faults']} | {c.get('messages_produced', '')} | "
+            f"{c['rows_expected']:,} | {c['rows_stored']:,} | {c['duplicates']} | "
+            f"{c['missing']} | {dead.get('0')} / {dead.get('1')} of {c['dead_expected']:,} | "
+            f"{c['verify']} | {c['audit']} | {c['ok']} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("summary", type=Path)
+    args = ap.parse_args(argv)
+    summary = json.loads(args.summary.read_text())
+    events = summary.get("events") or []
+    print(f"{len(events)} faults in {summary.get('seconds', 0):,.0f} s\n")
+    print("\n".join(fault_table(events)))
+    print()
+    print("\n".join(check_table(summary)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""tests.faults.report: the RELIABILITY.md tables from a run's summary (no stack)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.faults.report import check_table, fault_table, main
+
+EVENTS: list[dict[str, Any]] = [
+    {"kind": "driver_kill9", "recover_s": 30.0, "job_starts": 1},
+    {"kind": "driver_kill9", "recover_s": 20.0, "job_starts": 1},
+    {"kind": "lost_ack", "recover_s": 2.0, "job_starts": 0},
+    {"kind": "lost_ack", "recover_s": None, "job_starts": 0},
+]
+CHECK = {"rows_expected": 1000, "rows_stored": 1000, "duplicates": 0, "missing": 0,
+         "dead_expected": 10, "dead_stored": {"0": 10, "1": 10}, "verify": 0, "audit": 0,
+         "ok": True}
+
+
+def test_fault_table_counts_restarts_and_unsettled_faults() -> None:
+    rows = {line.split(" | ")[0].strip("| "): line for line in fault_table(EVENTS)}
+    assert rows["driver_kill9"] == "| driver_kill9 | 2 | 2 | 25.0 / 30.0 / 30.0 | 0 |"
+    assert rows["lost_ack"] == "| lost_ack | 2 | 0 | 2.0 / 2.0 / 2.0 | 1 |"
+    assert rows["zookeeper_down"] == "| zookeeper_down | 0 | 0 | - | 0 |"
+    assert rows["all"] == "| all | 4 | 2 | | 1 |"
+
+
+def test_check_table_lists_interim_then_final() -> None:
+    summary = {"interim_checks": [{"after_faults": 100, "messages_produced": 5, **CHECK}],
+               "check": CHECK}
+    lines = check_table(summary)
+    assert lines[2].startswith("| 100 | 5 | 1,000 | 1,000 | 0 | 0 | 10 / 10 of 10 |")
+    assert lines[3].startswith("| final |") and lines[3].endswith("| 0 | 0 | True |")
+
+
+def test_main_reads_a_run_in_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"events": EVENTS, "seconds": 61.2, "check": None}))
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("4 faults in 61 s") and "| lost_ack | 2 |" in out
