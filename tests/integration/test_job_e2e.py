@@ -203,13 +203,14 @@ def ok(res: subprocess.CompletedProcess[str]) -> str:
     return out
 
 
+@pytest.mark.parametrize("handover", ["arrow", "rows"])
 def test_multi_table_multi_partition_exact_with_markers_and_dead_letters(
-        job: JobEnv, producer: Producer) -> None:
+        job: JobEnv, producer: Producer, handover: str) -> None:
     producer.messages(150, dead_every=11)
     producer.transaction(5, commit=True, partition=0)
     producer.transaction(4, commit=False, partition=1)  # only invisible records
     producer.transaction(3, commit=True, partition=2)
-    out = ok(job.run("--until-caught-up"))
+    out = ok(job.run("--until-caught-up", "--set", f"job.handover={handover}"))
     assert_exact(job, producer)
     assert "batch" in out
     assert len(stored(job.sink).rows[DEAD]) == 14
