@@ -319,8 +319,19 @@ def _out_of_order(tp: TopicPartition, before: int, after: int) -> TaskContractEr
     )
 
 
-def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, Any]]:
-    """``mapPartitions`` function: rows are (topic, partition, offset, value, timestamp)."""
+@dataclass(frozen=True, slots=True)
+class Records:
+    """One task's Kafka records, as :func:`run_range` takes them (offset order)."""
+
+    tp: TopicPartition
+    offsets: list[int]
+    values: list[bytes | None]
+    timestamps_ms: list[int]
+
+
+def records_from_rows(rows: Iterable[Any]) -> Records | None:
+    """The records of ``rdd.mapPartitions`` rows (topic, partition, offset, value,
+    timestamp); ``None`` for none. Refuses a second partition or offsets out of order."""
     current: TopicPartition | None = None
     offsets: list[int] = []
     values: list[bytes | None] = []
@@ -335,22 +346,13 @@ def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, A
         values.append(bytes(value) if value is not None else None)
         stamp = row[4]
         stamps.append(int(stamp.timestamp() * 1000) if stamp is not None else 0)
-    if current is None:
-        return
-    yield run_range(ctx, current, offsets, values, stamps)
+    return None if current is None else Records(current, offsets, values, stamps)
 
 
-REPORT_SCHEMA = "report binary"
-"""The schema of :func:`run_arrow_partition`'s output: one pickled report per task."""
-
-
-def run_arrow_partition(ctx: TaskContext,
-                        batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` function over record batches of (topic, partition, offset, value,
-    timestamp), in offset order; yields one batch holding the pickled report.
-
-    Timestamps are Kafka's milliseconds, which Spark keeps as microseconds: the
-    division is exact."""
+def records_from_arrow(batches: Iterable[pa.RecordBatch]) -> Records | None:
+    """The records of ``mapInArrow`` record batches with the same columns; the same
+    refusals. Timestamps are Kafka's milliseconds, which Spark keeps as microseconds:
+    the division is exact."""
     current: TopicPartition | None = None
     offsets: list[int] = []
     values: list[bytes | None] = []
@@ -359,10 +361,8 @@ def run_arrow_partition(ctx: TaskContext,
     for batch in batches:
         if batch.num_rows == 0:
             continue
-        topics = pc.unique(batch.column("topic")).to_pylist()
-        parts = pc.unique(batch.column("partition")).to_pylist()
-        for topic in topics:
-            for part in parts:
+        for topic in pc.unique(batch.column("topic")).to_pylist():
+            for part in pc.unique(batch.column("partition")).to_pylist():
                 current = _one_partition(current, (topic, int(part)))
         assert current is not None
         batch_offsets = batch.column("offset").to_numpy(zero_copy_only=False)
@@ -376,9 +376,30 @@ def run_arrow_partition(ctx: TaskContext,
         values.extend(batch.column("value").to_pylist())
         micros = pc.cast(batch.column("timestamp"), pa.int64()).fill_null(0)
         stamps.extend((micros.to_numpy() // 1000).tolist())
-    if current is None:
+    return None if current is None else Records(current, offsets, values, stamps)
+
+
+def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    """``mapPartitions`` function: rows are (topic, partition, offset, value, timestamp)."""
+    records = records_from_rows(rows)
+    if records is not None:
+        yield run_range(ctx, records.tp, records.offsets, records.values,
+                        records.timestamps_ms)
+
+
+REPORT_SCHEMA = "report binary"
+"""The schema of :func:`run_arrow_partition`'s output: one pickled report per task."""
+
+
+def run_arrow_partition(ctx: TaskContext,
+                        batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` function over record batches of (topic, partition, offset, value,
+    timestamp), in offset order; yields one batch holding the pickled report."""
+    records = records_from_arrow(batches)
+    if records is None:
         return
-    report = run_range(ctx, current, offsets, values, stamps)
+    report = run_range(ctx, records.tp, records.offsets, records.values,
+                       records.timestamps_ms)
     yield pa.RecordBatch.from_pydict(
         {"report": [pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)]},
         schema=pa.schema([("report", pa.binary())]))
