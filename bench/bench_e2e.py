@@ -21,7 +21,8 @@ process tree pinned to N CPUs with ``taskset``; ClickHouse and Kafka are not pin
 Figures per run: rows/s and MB/s over the **processing** interval (first row visible
 in ClickHouse -> all rows visible; JVM start-up excluded, reported apart), CPU seconds
 per million rows of the job's process tree (driver, JVM, Python workers; sampled from
-``/proc`` every 0.5 s) and of the servers, peak RSS of the job's process tree. Then a
+``/proc`` every 0.5 s), over the whole run and over the processing interval alone
+(start-up excluded), and of the servers, peak RSS of the job's process tree. Then a
 latency run: the job streaming, a producer at ``--latency-rate`` rows/s for
 ``--latency-seconds``, and a probe row per 100 ms whose produce time is compared with
 the moment a poller (every 50 ms) first sees it in ClickHouse: p50/p99.
@@ -72,6 +73,7 @@ class RunResult:
     peak_rss_mib: float
     row_bytes: float
     exit_code: int
+    processing_cpu_s: float = 0.0
 
     @property
     def rows_per_s(self) -> float:
@@ -85,6 +87,7 @@ class RunResult:
         return (f"{self.mode:<14} cores={self.cores} block_rows={self.block_rows:>9,} "
                 f"{self.rows_per_s:>10,.0f} rows/s {self.mb_per_s:>6.1f} MB/s "
                 f"job cpu {self.job_cpu_s / self.rows * 1e6:>6.1f} s/Mrows "
+                f"(processing {self.processing_cpu_s / self.rows * 1e6:>4.1f}) "
                 f"servers {self.server_cpu_s / self.rows * 1e6:>5.1f} s/Mrows "
                 f"peak rss {self.peak_rss_mib:>6.0f} MiB  ({self.seconds:.1f} s + start-up "
                 f"{self.startup_s:.1f} s, exit {self.exit_code})")
@@ -122,6 +125,11 @@ class TreeSampler:
                                 sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICK)
             rss += int(fields[21]) * PAGE
         self.peak_rss = max(self.peak_rss, rss)
+
+    def total(self) -> float:
+        """CPU seconds of the session so far (a fresh sample)."""
+        self.sample()
+        return sum(self.cpu.values())
 
     def finish(self) -> tuple[float, float]:
         self.stop.set()
@@ -267,6 +275,7 @@ port = 0
         proc = self.start_job(config, mode, cores, True, log)
         sampler = TreeSampler(proc.pid)
         first = None
+        cpu_at_first = 0.0
         n = 0
         deadline = time.monotonic() + self.args.timeout
         while n < self.rows.rows and time.monotonic() < deadline:
@@ -274,11 +283,13 @@ port = 0
             n = self.count()
             if n and first is None:
                 first = time.perf_counter()
+                cpu_at_first = sampler.total()
             if proc.poll() is not None and n < self.rows.rows:
                 time.sleep(1)
                 n = self.count()
                 break
         done = time.perf_counter()
+        cpu_at_done = sampler.total()
         s1 = self.servers.cpu()
         try:
             code = proc.wait(timeout=120)
@@ -291,7 +302,8 @@ port = 0
                   file=sys.stderr)
         start = first if first is not None else done
         return RunResult(mode, cores, block_rows, n, start - t0, done - start, cpu, s1 - s0,
-                         rss, self.rows.encoded_row_bytes, code)
+                         rss, self.rows.encoded_row_bytes, code,
+                         cpu_at_done - cpu_at_first if first is not None else 0.0)
 
     def latency(self, block_rows: int) -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""
@@ -518,13 +530,27 @@ def main(argv: list[str] | None = None) -> int:
                      f"at-least-once {alo.rows_per_s:,.0f} rows/s (wall incl. start-up "
                      f"{alo.rows / (alo.seconds + alo.startup_s):,.0f}); exactly-once / "
                      f"at-least-once: {eo.rows_per_s / alo.rows_per_s:.2f}")
+
+        def median_cpu(mode: str) -> float:
+            xs = sorted(r.processing_cpu_s / r.rows * 1e6 for r in results
+                        if r.mode == mode and r.cores == cores[0] and r.block_rows == sizes[0]
+                        and r.rows == args.rows)
+            return xs[len(xs) // 2] if xs else 0.0
+
+        e_cpu, a_cpu = median_cpu("exactly_once"), median_cpu("at_least_once")
+        if a_cpu:
+            lines.append(f"job CPU over the processing interval, median of {args.repeat}: "
+                         f"exactly-once {e_cpu:.2f}, at-least-once {a_cpu:.2f} s/Mrows; "
+                         f"exactly-once / at-least-once: {e_cpu / a_cpu:.2f}")
     if eo and rows and rows.rows_per_s:
         lines.append(f"best of {args.repeat}: exactly-once with the Arrow hand-over "
                      f"{eo.rows_per_s:,.0f} rows/s, with the row hand-over "
                      f"{rows.rows_per_s:,.0f} rows/s; Arrow / rows: "
                      f"{eo.rows_per_s / rows.rows_per_s:.2f} (job CPU "
                      f"{eo.job_cpu_s / eo.rows * 1e6:.1f} vs "
-                     f"{rows.job_cpu_s / rows.rows * 1e6:.1f} s/Mrows)")
+                     f"{rows.job_cpu_s / rows.rows * 1e6:.1f} s/Mrows, processing "
+                     f"{eo.processing_cpu_s / eo.rows * 1e6:.1f} vs "
+                     f"{rows.processing_cpu_s / rows.rows * 1e6:.1f})")
     limits = json.loads(args.limits_json.read_text()) if args.limits_json else None
     if limits and eo:
         for r in limits["results"]:
