@@ -58,10 +58,12 @@ def check_table(summary: dict[str, Any]) -> list[str]:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in checks:
         dead = c.get("dead_stored", {})
+        produced = c.get("messages_produced")
         lines.append(
-            f"| {c['after_faults']} | {c.get('messages_produced', '')} | "
+            f"| {c['after_faults']} | {'' if produced is None else f'{produced:,}'} | "
             f"{c['rows_expected']:,} | {c['rows_stored']:,} | {c['duplicates']} | "
-            f"{c['missing']} | {dead.get('0')} / {dead.get('1')} of {c['dead_expected']:,} | "
+            f"{c['missing']} | {dead.get('0', 0):,} / {dead.get('1', 0):,} of "
+            f"{c['dead_expected']:,} | "
             f"{c['verify']} | {c['audit']} | {c['ok']} |")
     return lines
 
