@@ -52,12 +52,10 @@ from bench.workload import (
     ch_client,
     create_topic,
     produce,
+    session_processes,
 )
 from proto.envelope import make_envelope
 from tests.faults.workload import COORDINATES, ROW_MESSAGE, row_descriptor_set, varint
-
-TICK = os.sysconf("SC_CLK_TCK")
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -111,19 +109,9 @@ class TreeSampler:
 
     def sample(self) -> None:
         rss = 0
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) != self.sid:
-                continue
-            pid = int(entry.name)
-            self.cpu[pid] = max(self.cpu.get(pid, 0.0),
-                                sum(int(fields[i]) for i in (11, 12, 13, 14)) / TICK)
-            rss += int(fields[21]) * PAGE
+        for pid, (cpu, resident) in session_processes(self.sid).items():
+            self.cpu[pid] = max(self.cpu.get(pid, 0.0), cpu)
+            rss += resident
         self.peak_rss = max(self.peak_rss, rss)
 
     def total(self) -> float:

@@ -25,28 +25,14 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
-from bench.workload import REPO_ROOT, Rows, create_topic, produce, stack_env
-
-TICK = os.sysconf("SC_CLK_TCK")
+from bench.workload import REPO_ROOT, Rows, create_topic, produce, session_processes, stack_env
 
 
 def session_cpu_seconds() -> float:
-    """utime + stime of every live process in this process's session."""
-    sid = os.getsid(0)
-    total = 0.0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid:
-            total += sum(int(fields[i]) for i in (11, 12)) / TICK
-    return total
+    """CPU seconds of every live process in this process's session."""
+    return sum(cpu for cpu, _ in session_processes(os.getsid(0)).values())
 
 
 def count_rows(rows: Iterable[Any]) -> Iterator[int]:

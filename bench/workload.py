@@ -148,6 +148,24 @@ def proc_cpu_seconds(pid: int) -> float:
     return sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks
 
 
+def session_processes(sid: int) -> dict[int, tuple[float, int]]:
+    """``pid -> (utime + stime + waited-for children's, in seconds; RSS in bytes)`` of
+    every live process in session ``sid``, from ``/proc``."""
+    ticks, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+    out: dict[int, tuple[float, int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            out[int(entry.name)] = (sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks,
+                                    int(fields[21]) * page)
+    return out
+
+
 def self_cpu_seconds() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
