@@ -18,7 +18,9 @@ One run of the job:
    otherwise cut it inside a block, which the protocol refuses).
 4. **Micro-batches.** ``foreachBatch`` reads the batch's planned ranges from the
    offset log (``spark.offsets``), runs one task per Kafka partition range
-   (``spark.task.run_partition``), runs ranges that had no visible row on the driver,
+   (``spark.task.run_arrow_partition`` over Arrow record batches, or
+   ``run_partition`` over rows with ``job.handover = "rows"``), runs ranges that had
+   no visible row on the driver,
    and folds the reports into metrics and one log line.
 5. **Stop.** SIGTERM/SIGINT stop the query between batches (a batch in progress is
    finished first, up to ``stop_timeout``); a kill -9 anywhere is safe, the next run
