@@ -24,9 +24,19 @@ U64 = st.integers(0, 2**64 - 1)
 TEXT = st.text(max_size=12)
 
 
+def _message_type(fd: FieldDescriptor) -> Descriptor:
+    assert fd.message_type is not None, fd.full_name
+    return fd.message_type
+
+
+def _containing_type(fd: FieldDescriptor) -> Descriptor:
+    assert fd.containing_type is not None, fd.full_name
+    return fd.containing_type
+
+
 def _python(fd: FieldDescriptor, value: Any) -> Any:
     if fd.type == FieldDescriptor.TYPE_MESSAGE:
-        return {f.name: _field(f, value) for f in fd.message_type.fields}
+        return {f.name: _field(f, value) for f in _message_type(fd).fields}
     if fd.type == FieldDescriptor.TYPE_FLOAT:
         return _float32(value)
     return value
@@ -317,8 +327,8 @@ def proto2_samples(draw: st.DrawFn, desc: Descriptor) -> bytes:
         m.g.y = draw(I32)
     for k in draw(st.lists(text, max_size=2)):
         m.subs[k].x = draw(I32)
-    for k, v in draw(st.dictionaries(I32, text, max_size=2)).items():
-        m.names[k] = v
+    for number, name in draw(st.dictionaries(I32, text, max_size=2)).items():
+        m.names[number] = name
     if draw(st.booleans()):
         m.sub.t = draw(text)
     choice = draw(st.sampled_from(["", "oe", "osub", "os"]))
@@ -345,7 +355,7 @@ def _upb_layout(fd: FieldDescriptor, msg: Any) -> Any:
             value_fd = fd.message_type.fields_by_name["value"]
             return [{"key": k, "value": _upb_scalar(value_fd, value[k])} for k in sorted(value)]
         return [_upb_scalar(fd, v) for v in value]
-    in_map = fd.containing_type.GetOptions().map_entry
+    in_map = _containing_type(fd).GetOptions().map_entry
     if fd.has_presence and not in_map and not msg.HasField(fd.name):
         return None
     return _upb_scalar(fd, value)
