@@ -357,7 +357,6 @@ def records_from_arrow(batches: Iterable[pa.RecordBatch]) -> Records | None:
     offsets: list[int] = []
     values: list[bytes | None] = []
     stamps: list[int] = []
-    last = -1
     for batch in batches:
         if batch.num_rows == 0:
             continue
@@ -366,12 +365,12 @@ def records_from_arrow(batches: Iterable[pa.RecordBatch]) -> Records | None:
                 current = _one_partition(current, (topic, int(part)))
         assert current is not None
         batch_offsets = batch.column("offset").to_numpy(zero_copy_only=False)
-        before = np.concatenate(([last], batch_offsets[:-1])) if offsets else batch_offsets[:-1]
+        before = (np.concatenate(([offsets[-1]], batch_offsets[:-1])) if offsets
+                  else batch_offsets[:-1])
         after = batch_offsets if offsets else batch_offsets[1:]
         wrong = np.flatnonzero(after <= before)
         if wrong.size:
             raise _out_of_order(current, int(before[wrong[0]]), int(after[wrong[0]]))
-        last = int(batch_offsets[-1])
         offsets.extend(batch_offsets.tolist())
         values.extend(batch.column("value").to_pylist())
         micros = pc.cast(batch.column("timestamp"), pa.int64()).fill_null(0)
