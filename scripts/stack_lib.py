@@ -128,6 +128,9 @@ class StackConfig:
     ports: Ports
     kafka_version: str
     spark_version: str | None  # None: pyspark not installed and not given
+    # How long ZooKeeper keeps a killed ClickHouse's session: a restarted replica
+    # cannot rejoin replication (and quorum inserts wait) until that session expires.
+    ch_zk_session_timeout_ms: int = 30_000
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StackConfig:
@@ -138,6 +141,7 @@ class StackConfig:
             ports=Ports.from_env(env),
             kafka_version=env.get("BLOCKAGG_KAFKA_VERSION") or DEFAULT_KAFKA_VERSION,
             spark_version=env.get("BLOCKAGG_SPARK_VERSION") or installed_pyspark_version(),
+            ch_zk_session_timeout_ms=_zk_session_timeout_ms(env),
         )
 
     @property
@@ -162,6 +166,22 @@ class StackConfig:
     @property
     def maven_repo(self) -> Path:
         return self.root / "m2"
+
+
+ZK_SESSION_TIMEOUT_VAR = "BLOCKAGG_CH_ZK_SESSION_TIMEOUT_MS"
+# ZooKeeper grants sessions between 2 and 20 ticks (tickTime=2000 in render_zoo_cfg).
+ZK_SESSION_TIMEOUT_RANGE = (4_000, 40_000)
+
+
+def _zk_session_timeout_ms(env: Mapping[str, str]) -> int:
+    raw = env.get(ZK_SESSION_TIMEOUT_VAR) or "30000"
+    low, high = ZK_SESSION_TIMEOUT_RANGE
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise StackError(
+            f"{ZK_SESSION_TIMEOUT_VAR}={raw!r}: give milliseconds between {low} and {high} "
+            "(ZooKeeper grants 2 to 20 ticks of 2 s)"
+        )
+    return int(raw)
 
 
 def installed_pyspark_version() -> str | None:
@@ -213,6 +233,10 @@ def render_kafka_properties(cfg: StackConfig) -> str:
         "share.coordinator.state.topic.replication.factor=1",
         "share.coordinator.state.topic.min.isr=1",
         "group.initial.rebalance.delay.ms=0",
+        # A broker restarted after kill -9 cannot register until the controller fences its
+        # previous incarnation (DUPLICATE_BROKER_REGISTRATION): 9 s by default, 4 s here.
+        "broker.session.timeout.ms=4000",
+        "broker.heartbeat.interval.ms=1000",
         "log.retention.hours=168",
         "log.segment.bytes=67108864",
         "num.network.threads=2",
@@ -300,7 +324,7 @@ def render_clickhouse_config(cfg: StackConfig, replica: Replica) -> str:
     <default_session_timeout>60</default_session_timeout>
     <zookeeper>
         <node index="1"><host>{HOST}</host><port>{cfg.ports.zk}</port></node>
-        <session_timeout_ms>30000</session_timeout_ms>
+        <session_timeout_ms>{cfg.ch_zk_session_timeout_ms}</session_timeout_ms>
     </zookeeper>
     <macros>
         <shard>{SHARD}</shard>

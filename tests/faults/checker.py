@@ -126,20 +126,33 @@ def _counts(client: Any, tables: Sequence[str]) -> dict[str, int]:
     return out
 
 
-def caught_up(workload: Workload, timeout: float, poll: float = 1.0) -> float | None:
+def produced_counts(workload: Workload) -> dict[str, int]:
+    """Rows produced per table so far, and dead letters under the dead-letter table."""
+    want = {t: sum(int(a.size) for a in workload.produced.ids.get(t, []))
+            for t in workload.table_names()}
+    want[workload.dead_letter_table] = len(workload.produced.dead)
+    return want
+
+
+def caught_up(workload: Workload, timeout: float, poll: float = 1.0,
+              want: dict[str, int] | None = None) -> float | None:
     """Seconds until every replica holds as many rows per table (and dead letters) as
     were produced; ``None`` if the timeout passed first. Never raises on a replica
-    that is still restarting: it just polls again."""
+    that is still restarting: it just polls again.
+
+    With ``want`` (a :func:`produced_counts` snapshot), until every replica holds at
+    least that many: for a stream still being produced while faults overlap."""
     started = time.monotonic()
-    want = {t: len(workload.produced.ids_of(t)) for t in workload.table_names()}
-    want[workload.dead_letter_table] = len(workload.produced.dead)
+    exact = want is None
+    target = produced_counts(workload) if want is None else want
     while time.monotonic() - started < timeout:
         try:
             clients = workload.clients()
-            done = all(_counts(c, list(want)) == want for c in clients)
+            counts = [_counts(c, list(target)) for c in clients]
             for c in clients:
                 c.disconnect()
-            if done:
+            if all((got == target) if exact else
+                   all(got[t] >= n for t, n in target.items()) for got in counts):
                 return time.monotonic() - started
         except Exception:  # a replica restarting: poll again
             pass

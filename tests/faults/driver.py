@@ -71,6 +71,11 @@ class Job:
     exits: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # Held across every start/stop and across a fault's kill-then-start, so that an
+        # overlapping fault's ensure_running never starts a second driver or restarts one
+        # before its checkpoint is gone.
+        self.lock = threading.RLock()
+        self._starts_here = threading.local()
         self.folder.mkdir(parents=True, exist_ok=True)
         self.proxies = [FaultProxy(p) for p in self.stack.ch_ports]
         self.hook_dir = self.folder / "hooks"
@@ -96,6 +101,10 @@ class Job:
         return env
 
     def start(self) -> None:
+        with self.lock:
+            self._start()
+
+    def _start(self) -> None:
         assert self.proc is None or self.proc.poll() is not None
         with open(self.log, "ab") as out:
             out.write(f"\n===== start {self.starts} {time.strftime('%T')} =====\n".encode())
@@ -105,35 +114,43 @@ class Job:
                  str(self.config)], stdout=out, stderr=subprocess.STDOUT, env=self.env(),
                 cwd=REPO_ROOT, start_new_session=True)
         self.starts += 1
+        self._starts_here.n = getattr(self._starts_here, "n", 0) + 1
+
+    def starts_in_this_thread(self) -> int:
+        """Driver starts made by the calling thread (a fault's own restarts)."""
+        return int(getattr(self._starts_here, "n", 0))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def ensure_running(self) -> bool:
         """Restart the job if it exited; True if it had to."""
-        if self.alive():
-            return False
-        if self.proc is not None and self.proc.returncode is not None:
-            self.exits.append(self.proc.returncode)
-        self.start()
-        return True
+        with self.lock:
+            if self.alive():
+                return False
+            if self.proc is not None and self.proc.returncode is not None:
+                self.exits.append(self.proc.returncode)
+            self._start()
+            return True
 
     def kill9(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(60)
-        self.exits.append(-9)
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(60)
+            self.exits.append(-9)
 
     def stop(self, timeout: float = 120) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill9()
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                return
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill9()
 
     def arm(self, step: str) -> None:
         """Arm a task hook (the running workers see it at their next commit/insert)."""
@@ -160,15 +177,17 @@ def _wait(cond: Any, timeout: float, poll: float = 0.5) -> bool:
     return bool(cond())
 
 
-def inject(kind: str, job: Job, stack: StackControl, rng: random.Random) -> dict[str, Any]:
+def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
+           zookeeper_down_s: tuple[float, float] = (10, 25)) -> dict[str, Any]:
     """Inject one fault and recover from it; returns what was done and when the
     recovery (restart / network restored) completed, for time-to-recover."""
     started = time.monotonic()
     info: dict[str, Any] = {"kind": kind}
     if kind == "driver_kill9":
         time.sleep(rng.uniform(0, 3))
-        job.kill9()
-        job.start()
+        with job.lock:
+            job.kill9()
+            job.start()
     elif kind in _HOOK_STEP:
         job.arm(_HOOK_STEP[kind])
         info["fired"] = _wait(lambda: hooks.fired(job.hook_dir) >= 1, 120)
@@ -188,7 +207,7 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random) -> dict
         time.sleep(rng.uniform(2, 8))
         stack.up()
     elif kind == "zookeeper_down":
-        seconds = rng.uniform(10, 25)
+        seconds = rng.uniform(*zookeeper_down_s)
         info["seconds"] = round(seconds, 1)
         stack.unreachable_for("zookeeper", seconds)
     elif kind == "broker_kill9":
@@ -196,9 +215,10 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random) -> dict
         time.sleep(rng.uniform(1, 5))
         stack.up()
     elif kind == "checkpoint_deleted":
-        job.stop()
-        shutil.rmtree(job.checkpoint, ignore_errors=True)
-        job.start()
+        with job.lock:
+            job.stop()
+            shutil.rmtree(job.checkpoint, ignore_errors=True)
+            job.start()
     else:
         raise ValueError(f"unknown fault kind {kind!r}; known: {KINDS}")
     info["inject_s"] = round(time.monotonic() - started, 1)
@@ -237,20 +257,123 @@ class Outcome:
         tmp.replace(path)
 
 
+# Faults on the same resource never overlap (two ``scripts/stack up`` at once, two armed
+# hooks, a proxy armed while its replica is down); faults on different ones may.
+_RESOURCE = {"driver_kill9": "driver", "checkpoint_deleted": "driver",
+             **{kind: "hooks" for kind in _HOOK_STEP},
+             "lost_ack": "clickhouse", "replica_kill9": "clickhouse",
+             "zookeeper_down": "clickhouse", "broker_kill9": "kafka"}
+
+
+def plan(kinds: list[str], faults: int, seed: int) -> list[str]:
+    """The run's faults in order: each kind once first, then drawn at random (seeded)."""
+    rng = random.Random(seed)
+    return [kinds[n] if n < len(kinds) else rng.choice(kinds) for n in range(faults)]
+
+
+@dataclass
+class _Run:
+    """What the fault streams of one run share."""
+
+    workload: Workload
+    job: Job
+    stack: StackControl
+    outcome: Outcome
+    seed: int
+    per_fault: int
+    rate: float
+    settle_s: float
+    zookeeper_down_s: tuple[float, float]
+    started: float
+    json_path: Path | None
+    produce_lock: threading.Lock = field(default_factory=threading.Lock)
+    record_lock: threading.Lock = field(default_factory=threading.Lock)
+    resources: dict[str, threading.Lock] = field(
+        default_factory=lambda: {r: threading.Lock() for r in set(_RESOURCE.values())})
+
+    def produce(self, messages: int) -> None:
+        with self.produce_lock:
+            self.workload.produce(messages, rate=self.rate)
+
+    def fault(self, n: int, kind: str) -> dict[str, Any]:
+        """Inject fault ``n`` while its share of the stream is produced, recover, and
+        wait until everything produced by then is stored (its time to recover)."""
+        rng = random.Random(self.seed * 1_000_003 + n)
+        job = self.job
+        starts_before = job.starts_in_this_thread()
+        with self.resources[_RESOURCE[kind]]:
+            producer = threading.Thread(target=self.produce, args=(self.per_fault,),
+                                        daemon=True)
+            producer.start()
+            info = {"n": n, **inject(kind, job, self.stack, rng, self.zookeeper_down_s)}
+            producer.join(timeout=600)
+        job.ensure_running()
+        recovered = time.monotonic()
+        with self.produce_lock:
+            want = checker.produced_counts(self.workload)
+        took = _wait_caught_up(self.workload, job, self.settle_s, want=want)
+        info["recover_s"] = None if took is None else round(time.monotonic() - recovered, 1)
+        info["job_starts"] = job.starts_in_this_thread() - starts_before
+        info["stream"] = threading.current_thread().name
+        with self.record_lock:
+            self.outcome.faults[kind] += 1
+            if took is not None:
+                self.outcome.recover_s[kind].append(time.monotonic() - recovered)
+            info["at_s"] = round(time.monotonic() - self.started, 1)
+            self.outcome.events.append(info)
+            self.outcome.seconds = time.monotonic() - self.started
+            self.outcome.write(self.json_path)
+        print(json.dumps(info), file=sys.stderr, flush=True)
+        return info
+
+    def phase(self, faults: list[tuple[int, str]], streams: int) -> None:
+        """Run ``faults`` on ``streams`` threads, each taking the next fault when its
+        previous one has recovered; the first error stops every stream and is raised."""
+        queue = iter(faults)
+        take = threading.Lock()
+        errors: list[BaseException] = []
+
+        def stream() -> None:
+            while not errors:
+                with take:
+                    item = next(queue, None)
+                if item is None:
+                    return
+                try:
+                    self.fault(*item)
+                except BaseException as exc:
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=stream, name=f"stream-{i}", daemon=True)
+                   for i in range(streams)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+
 def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed: int,
         folder: Path, tables: int = 20, partitions: int = 4, rows_per_message: int = 10,
         dead_every: int = 97, settle_s: float = 180, catch_up_s: float = 900,
-        rate: float = 0.0, check_every: int = 0,
+        rate: float = 0.0, check_every: int = 0, streams: int = 1,
+        zookeeper_down_s: tuple[float, float] = (10, 25),
         json_path: Path | None = None) -> tuple[Outcome, Workload, Job]:
-    """``faults`` faults drawn (seeded) from ``kinds`` while ``messages`` are produced;
-    after each fault the job is kept running and must catch up with everything
-    produced so far within ``settle_s`` (that wait is the time to recover).
+    """``faults`` faults (:func:`plan`) while ``messages`` are produced; after each
+    fault the job is kept running and must have stored everything produced up to the
+    fault's recovery within ``settle_s`` (that wait is the time to recover).
+
+    ``streams`` faults are in flight at once (one per stream), never two on the same
+    resource (:data:`_RESOURCE`): a later fault can then strike while an earlier one is
+    still being recovered from, and an earlier fault's time to recover includes any
+    overlapping one's. ``streams = 1`` injects strictly one after another.
 
     With ``check_every = N``, the full check (:func:`checker.check`) also runs after
-    every Nth fault once caught up: nothing is produced meanwhile, so every row
-    produced so far must already be stored exactly once. Those interim checks and
-    every fault's event go into ``json_path``, rewritten after each fault."""
-    rng = random.Random(seed)
+    every Nth fault once every stream is idle and the job has caught up: nothing is
+    produced meanwhile, so every row produced so far must already be stored exactly
+    once. Those interim checks and every fault's event go into ``json_path``,
+    rewritten after each fault."""
     workload = Workload(stack.bootstrap, "127.0.0.1", stack.ch_ports, tables=tables,
                         partitions=partitions, rows_per_message=rows_per_message,
                         dead_every=dead_every, seed=seed)
@@ -259,38 +382,27 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     outcome = Outcome()
     started = time.monotonic()
     per_fault = max(1, messages // max(1, faults + 1))
-    lock = threading.Lock()
+    shared = _Run(workload, job, stack, outcome, seed, per_fault, rate, settle_s,
+                  zookeeper_down_s, started, json_path)
+    order = list(enumerate(plan(kinds, faults, seed)))
+    step = check_every or faults or 1
     try:
         workload.produce(per_fault, rate=rate)
         job.start()
-        for n in range(faults):
-            kind = kinds[n % len(kinds)] if n < len(kinds) else rng.choice(kinds)
-            starts_before = job.starts
-            with lock:
-                producer = threading.Thread(target=workload.produce, args=(per_fault,),
-                                            kwargs={"rate": rate}, daemon=True)
-                producer.start()
-                info = inject(kind, job, stack, rng)
-                producer.join(timeout=600)
-            job.ensure_running()
-            recovered = time.monotonic()
-            took = _wait_caught_up(workload, job, settle_s)
-            info["recover_s"] = None if took is None else round(time.monotonic() - recovered, 1)
-            info["job_starts"] = job.starts - starts_before
-            outcome.faults[kind] += 1
-            if took is not None:
-                outcome.recover_s[kind].append(time.monotonic() - recovered)
-            info["at_s"] = round(time.monotonic() - started, 1)
-            outcome.events.append(info)
-            print(json.dumps(info), file=sys.stderr, flush=True)
-            if check_every and (n + 1) % check_every == 0 and took is not None:
-                interim = {"after_faults": n + 1,
+        for first in range(0, faults, step):
+            shared.phase(order[first:first + step], streams)
+            done = min(faults, first + step)
+            if check_every and done % check_every == 0:
+                if _wait_caught_up(workload, job, settle_s) is None:
+                    print(f"not caught up for the check after {done} faults",
+                          file=sys.stderr, flush=True)
+                    continue
+                interim = {"after_faults": done,
                            "messages_produced": workload.produced.messages,
                            **checker.check(workload).summary()}
                 outcome.interim.append(interim)
+                outcome.write(json_path)
                 print(json.dumps({"interim_check": interim}), file=sys.stderr, flush=True)
-            outcome.seconds = time.monotonic() - started
-            outcome.write(json_path)
         workload.produce(messages - per_fault * (faults + 1) if
                          messages > per_fault * (faults + 1) else 0)
         if _wait_caught_up(workload, job, catch_up_s) is None:
@@ -303,12 +415,14 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     return outcome, workload, job
 
 
-def _wait_caught_up(workload: Workload, job: Job, timeout: float) -> float | None:
-    """Poll until caught up, restarting the job whenever it exited."""
+def _wait_caught_up(workload: Workload, job: Job, timeout: float,
+                    want: dict[str, int] | None = None) -> float | None:
+    """Poll until caught up (with ``want``: at least that much stored), restarting
+    the job whenever it exited."""
     started = time.monotonic()
     while time.monotonic() - started < timeout:
         job.ensure_running()
-        if checker.caught_up(workload, timeout=5, poll=1) is not None:
+        if checker.caught_up(workload, timeout=5, poll=1, want=want) is not None:
             return time.monotonic() - started
     return None
 
@@ -329,7 +443,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="summary file, rewritten after every fault")
     ap.add_argument("--check-every", type=int, default=0,
                     help="also run the full check after every Nth fault (0 = only at the end)")
+    ap.add_argument("--streams", type=int, default=1,
+                    help="faults in flight at once, never two on one resource (1 = one by one)")
+    ap.add_argument("--zookeeper-down", default="10,25", metavar="MIN,MAX",
+                    help="seconds ZooKeeper stays unreachable, drawn between MIN and MAX")
     args = ap.parse_args(argv)
+    low, _, high = args.zookeeper_down.partition(",")
+    if args.streams < 1:
+        ap.error(f"--streams {args.streams}: give 1 or more")
+    try:
+        zookeeper_down_s = (float(low), float(high or low))
+    except ValueError:
+        ap.error(f"--zookeeper-down {args.zookeeper_down!r}: give MIN,MAX in seconds")
     stack = StackControl(fault_stack_env())
     stack.up()
     folder = args.folder or Path(tempfile.mkdtemp(prefix="blockagg-faults-"))
@@ -338,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                                tables=args.tables, partitions=args.partitions,
                                rows_per_message=args.rows_per_message,
                                dead_every=args.dead_every,
-                               check_every=args.check_every, json_path=args.json)
+                               check_every=args.check_every, streams=args.streams,
+                               zookeeper_down_s=zookeeper_down_s, json_path=args.json)
     summary = outcome.summary()
     summary.pop("events")
     print(json.dumps(summary, indent=1, sort_keys=True))

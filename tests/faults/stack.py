@@ -22,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -69,6 +70,7 @@ class StackControl:
         self.env = dict(env)
         self.cfg = stack_lib.StackConfig.from_env(self.env)
         self.services = stack_lib.build_services(self.cfg)
+        self._up_lock = threading.Lock()  # overlapping faults: one `scripts/stack up` at a time
 
     # -- addresses -----------------------------------------------------------------
 
@@ -107,8 +109,9 @@ class StackControl:
         """``scripts/stack up`` (starts what is down); returns the seconds it took."""
         link_installed_jars(self.env)
         started = time.monotonic()
-        res = subprocess.run([sys.executable, str(STACK), "up"], env=self.env,
-                             capture_output=True, text=True, timeout=timeout, check=False)
+        with self._up_lock:
+            res = subprocess.run([sys.executable, str(STACK), "up"], env=self.env,
+                                 capture_output=True, text=True, timeout=timeout, check=False)
         if res.returncode != 0:
             raise RuntimeError(f"scripts/stack up failed ({res.returncode}):\n"
                                f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
