@@ -115,6 +115,21 @@ class GroupLock:
                 "metadata group and topic is starting; it will refuse to run", self.group, moved
             )
 
+    def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
+        """The coordinator dropped us (no heartbeat within the session timeout, e.g. the
+        broker was unreachable): nobody took the partitions, so say so, not "a second job"."""
+        with self._lock:
+            for p in partitions:
+                self._assigned.discard((p.topic, p.partition))
+        consumer.incremental_unassign(partitions)
+        if self._held and partitions:
+            log.warning(
+                "lock group %s membership lost: no heartbeat reached the group coordinator "
+                "within the session timeout (broker unreachable?); rejoining. Until it is "
+                "back, a second job on the same metadata group and topic would not be refused",
+                self.group,
+            )
+
     def _poll(self) -> None:
         while not self._stop.is_set():
             try:
@@ -144,7 +159,7 @@ class GroupLock:
     def acquire(self, timeout: float) -> None:
         """Join, then wait until no other member holds a partition of our topics."""
         self._consumer.subscribe(self._subscription, on_assign=self._on_assign,
-                                 on_revoke=self._on_revoke)
+                                 on_revoke=self._on_revoke, on_lost=self._on_lost)
         self._thread = threading.Thread(target=self._poll, name="blockagg-lock", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout

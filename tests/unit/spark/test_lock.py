@@ -1,0 +1,60 @@
+"""spark.lock.GroupLock's rebalance callbacks, without a broker.
+
+A partition *revoked* from a held lock means another member joined (a second job); a
+partition *lost* means our own session expired (the broker was unreachable). The two
+must be told apart in the log, and both must leave the assignment consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from spark.lock import GroupLock
+
+
+@dataclass(frozen=True)
+class _Partition:
+    topic: str
+    partition: int
+
+
+class _Consumer:
+    def __init__(self) -> None:
+        self.unassigned: list[Any] = []
+
+    def incremental_unassign(self, partitions: list[Any]) -> None:
+        self.unassigned.extend(partitions)
+
+
+@pytest.fixture
+def held_lock() -> GroupLock:
+    # No connection is made before subscribe/poll: the address is never dialled.
+    lock = GroupLock({"bootstrap.servers": "127.0.0.1:1"}, "g", ["t"], lambda t: t == "t",
+                     client_id="test")
+    lock._assigned = {("t", 0), ("t", 1)}
+    lock._held = True
+    return lock
+
+
+def test_lost_partitions_are_dropped_and_logged_as_a_lost_session(
+        held_lock: GroupLock, caplog: pytest.LogCaptureFixture) -> None:
+    consumer = _Consumer()
+    with caplog.at_level(logging.WARNING):
+        held_lock._on_lost(consumer, [_Partition("t", 0)])
+    assert held_lock._assigned == {("t", 1)}
+    assert consumer.unassigned == [_Partition("t", 0)]
+    assert "membership lost" in caplog.text
+    assert "second job on the same metadata group and topic is starting" not in caplog.text
+
+
+def test_revoked_partitions_name_a_second_job(
+        held_lock: GroupLock, caplog: pytest.LogCaptureFixture) -> None:
+    consumer = _Consumer()
+    with caplog.at_level(logging.WARNING):
+        held_lock._on_revoke(consumer, [_Partition("t", 1)])
+    assert held_lock._assigned == {("t", 0)}
+    assert "a second job on the same metadata group and topic is starting" in caplog.text
