@@ -244,6 +244,7 @@ class JobConfig:
     run_id: int | None = None
     offset_metadata_max_bytes: int = 4096
     lock_timeout: float = 60.0
+    lock_session_timeout: float = 10.0
     stop_timeout: float = 300.0
     handover: Literal["arrow", "rows"] = "arrow"
 
@@ -727,10 +728,23 @@ def from_dict(
         run_id=job_t.take("run_id", _int(0, 2**64 - 1), None),
         offset_metadata_max_bytes=job_t.take("offset_metadata_max_bytes", _int(64), 4096),
         lock_timeout=job_t.take("lock_timeout", _duration, 60.0),
+        lock_session_timeout=job_t.take("lock_session_timeout", _duration, 10.0),
         stop_timeout=job_t.take("stop_timeout", _duration, 300.0),
         handover=job_t.take("handover", _handover, "arrow"),
     )
     job_t.done()
+    if job.lock_session_timeout >= job.lock_timeout:
+        raise ConfigError(
+            f"job.lock_session_timeout ({job.lock_session_timeout:g}s) must be below "
+            f"job.lock_timeout ({job.lock_timeout:g}s): after a kill -9 the previous run's "
+            "membership only expires after the session timeout, so a restart would always "
+            "refuse to start"
+        )
+    if job.lock_session_timeout < 1.0:
+        raise ConfigError(
+            f"job.lock_session_timeout: must be at least 1s (and at least the brokers' "
+            f"group.min.session.timeout.ms, 6s by default), got {job.lock_session_timeout:g}s"
+        )
     if not job.checkpoint_location:
         raise ConfigError(
             "job.checkpoint_location: required (Spark's checkpoint directory, e.g. "

@@ -203,6 +203,7 @@ class Driver:
             self._lock_subscription(),
             self._owns,
             client_id=f"blockagg-lock-{self.config.job.name}-{self.run_id:016x}",
+            session_timeout_ms=round(self.config.job.lock_session_timeout * 1000),
         )
         self.lock.acquire(self.config.job.lock_timeout)
 

@@ -126,6 +126,16 @@ def test_refusals(extra: str, pattern: str) -> None:
     refused(MINIMAL + extra, pattern)
 
 
+def test_lock_session_timeout() -> None:
+    assert cfg().job.lock_session_timeout == 10.0
+    assert cfg(base=MINIMAL.replace("[job]\n", '[job]\nlock_session_timeout = "6s"\n')
+               ).job.lock_session_timeout == 6.0
+    refused(MINIMAL.replace("[job]\n", '[job]\nlock_session_timeout = "90s"\n'),
+            r"lock_session_timeout \(90s\) must be below job\.lock_timeout \(60s\)")
+    refused(MINIMAL.replace("[job]\n", '[job]\nlock_session_timeout = "500ms"\n'),
+            r"lock_session_timeout: must be at least 1s.*got 0\.5s")
+
+
 def test_kafka_owned_keys_refused() -> None:
     base = MINIMAL.replace('"bootstrap.servers" = "localhost:9092"',
                            '"bootstrap.servers" = "localhost:9092"\n"{k}" = "{v}"')
