@@ -10,8 +10,9 @@ ClickHouse refused inserts for longer than the writer's retries) is restarted by
 
 :func:`inject` applies one named fault (:data:`KINDS`, the issue's list) and recovers
 from it (restart what died, restore the network); :func:`run` mixes them at random
-(seeded) while a producer writes the multi-table stream, then waits until every row
-is in ClickHouse and runs the checker. The invariant checked at the end, whatever
+(seeded, :func:`plan`) while a producer writes the multi-table stream, one at a time
+or, with ``streams > 1``, several in flight on different resources, then waits until
+every row is in ClickHouse and runs the checker. The invariant checked at the end, whatever
 happened: every delivered row exactly once per table on both replicas, every dead
 letter exactly once, ``arv verify`` clean.
 """
