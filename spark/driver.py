@@ -48,7 +48,7 @@ from aggregator import logs
 from aggregator.clickhouse.deadletter_rate import RateThreshold, RateWindow
 from aggregator.clickhouse.exceptions import DeadLetterRateExceeded
 from aggregator.config import Config
-from aggregator.core.metadata import PREFIX, decode
+from aggregator.core.metadata import decode, is_blockagg
 from aggregator.core.model import Committed
 from aggregator.exceptions import ConfigError
 from spark.components import Components, DefaultComponents
@@ -279,7 +279,7 @@ class Driver:
         batch_id = 0
         for tp, commit in committed.items():
             text = commit.metadata.rstrip("\x00")
-            if not text.startswith(PREFIX):
+            if not is_blockagg(text):
                 continue
             metadata = decode(text)
             if metadata.resume != commit.offset or not metadata.blocks:

@@ -54,7 +54,7 @@ from enum import StrEnum
 from typing import Any
 
 from aggregator.core.exceptions import MetadataDecodeError
-from aggregator.core.metadata import PREFIX, Metadata, decode
+from aggregator.core.metadata import Metadata, decode, is_blockagg
 
 
 class AnomalyKind(StrEnum):
@@ -303,7 +303,7 @@ class Verifier:
         current: Metadata | None = None
         findings: list[Finding] = []
         raw: str | None = None
-        if not text.startswith(PREFIX):
+        if not is_blockagg(text):
             raw = commit.metadata
             findings.append(Finding(
                 AnomalyKind.FOREIGN_WRITER,

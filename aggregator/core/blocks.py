@@ -86,7 +86,8 @@ def _make_block(
         positions=positions,
         rows=rows,
         size=size,
-        token=block_token(batch.topic, batch.partition, name, first, last),
+        token=block_token(batch.topic, batch.partition, name, first, last,
+                          batch.pins.incarnation),
         replay=replay,
     )
 

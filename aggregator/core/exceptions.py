@@ -50,3 +50,15 @@ class ReplayBlockMissing(BatchRefused):
 class MetadataContractViolation(BatchRefused):
     """The committed metadata is well-formed but breaks a protocol invariant (see
     ``docs/metadata.md``), so resuming from it could lose or duplicate messages."""
+
+
+class TopicIncarnationChanged(BatchRefused):
+    """The partition's last commit was written for another incarnation of the topic
+    (deleted and recreated, or the same name on another Kafka cluster): its offsets
+    and blocks do not describe this topic's messages."""
+
+
+class PinsMismatch(BatchRefused):
+    """The batch was prepared under other pins (registry position, topic incarnation,
+    deduplication mode) than the intent it replays, so its blocks could differ from
+    the first attempt's."""

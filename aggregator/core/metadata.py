@@ -12,22 +12,30 @@ for one topic-partition:
 * for every table whose last block may still matter (its last offset is at or above
   the resume offset), that block's first and last offset.
 
+* the :class:`Pins`: what besides the messages decided the batch's blocks (the
+  schema-registry position, the topic's incarnation, the deduplication mode), so a
+  replay decides alike (``docs/protocol.md``, "What a replay depends on").
+
 Encoding: ``"ba1:" + base85(msgpack([run, batch, start, end, resume, packed]))``
 or, when strictly shorter, ``msgpack([run, batch, start, end, resume, packed,
-[blocks, w1, w2, w3]])``. Either way the block list holds three values per block,
-sorted by table id: ``table_id - previous_table_id`` (the first one raw),
-``first - start`` and ``end - 1 - last``; the six-field body packs them as unsigned
-LEB128 varints, the seven-field body as fixed-width bit fields (each column as wide
-as its largest value, MSB first, zero-padded). The fixed-width layout bounds a block
-at about ``log2(tables) + 2 * log2(batch range)`` bits, so 500 tables fit the
-broker's default 4096-byte limit for batch ranges up to about a million offsets
-wherever the blocks lie. Offsets themselves are 64-bit. The string is ASCII, so
+[blocks, w1, w2, w3]])``; with pins, ``"ba2:" + base85(msgpack([run, batch, start,
+end, resume, packed, widths or nil, [registry, incarnation, dedup]]))``. Either
+way the block list holds three values per block, sorted by table id:
+``table_id - previous_table_id`` (the first one raw), ``first - start`` and
+``end - 1 - last``; the varint layout packs them as unsigned LEB128 varints, the
+fixed-width one as bit fields (each column as wide as its largest value, MSB first,
+zero-padded). The fixed-width layout bounds a block at about ``log2(tables) + 2 *
+log2(batch range)`` bits, so 500 tables fit the broker's default 4096-byte limit for
+batch ranges up to about a million offsets wherever the blocks lie. Offsets
+themselves are 64-bit. The string is ASCII, so
 valid UTF-8 without NUL.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from enum import IntEnum
 from itertools import accumulate
 from operator import attrgetter
 from typing import Final
@@ -38,7 +46,12 @@ import numpy as np
 from aggregator.core.exceptions import MetadataDecodeError, MetadataError, MetadataTooLarge
 
 PREFIX: Final = "ba1:"
-"""Marks a metadata string as blockagg's, version 1 of the layout."""
+"""Marks a metadata string as blockagg's, version 1 of the layout (no pins)."""
+
+PREFIX_PINNED: Final = "ba2:"
+"""Version 2 of the layout: version 1's body followed by the :class:`Pins`."""
+
+PREFIXES: Final = (PREFIX, PREFIX_PINNED)
 
 DEFAULT_MAX_BYTES: Final = 4096
 """Kafka's default ``offset.metadata.max.bytes``."""
@@ -75,6 +88,61 @@ class BlockRange:
         return self.first <= other.last and other.first <= self.last
 
 
+class DedupMode(IntEnum):
+    """How ClickHouse recognises a retried block, pinned so a replay is recognised
+    the same way as its first attempt even across a server upgrade."""
+
+    UNPINNED = 0
+    """Not recorded (metadata written before pins existed): the server's current mode."""
+    BLOCK_HASH = 1
+    """By the hash of the block's content (servers without ``insert_deduplication_token``)."""
+    TOKEN = 2
+    """By the block's ``insert_deduplication_token``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pins:
+    """What, besides the partition's messages and the thresholds, decided a batch's
+    blocks: a replay of an intent must use exactly its pins (invariant 5).
+
+    ``registry`` is the schema-registry position the batch was classified with (the
+    registry as of that position decides table or dead letter, schema version and
+    column mapping; ``0``: not pinned). ``incarnation`` is a 64-bit fingerprint of the
+    Kafka cluster id and the topic id (:func:`incarnation_of`; ``0``: unknown), so a
+    recreated topic or another cluster's topic of the same name is recognised, and it
+    is part of every block's deduplication token. ``dedup`` is the
+    :class:`DedupMode` the blocks were inserted with.
+    """
+
+    registry: int = 0
+    incarnation: int = 0
+    dedup: int = DedupMode.UNPINNED
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.registry <= _MAX_OFFSET:
+            raise MetadataError(f"registry position must be in [0, 2**63), got {self.registry}")
+        if not 0 <= self.incarnation < 2**64:
+            raise MetadataError(
+                f"topic incarnation must fit in 64 bits unsigned, got {self.incarnation}")
+        if self.dedup not in DedupMode._value2member_map_:
+            raise MetadataError(f"unknown deduplication mode {self.dedup}")
+
+
+NO_PINS: Final = Pins()
+
+
+def incarnation_of(cluster_id: str, topic_id: str) -> int:
+    """The topic incarnation fingerprint: a pure function of the Kafka cluster id and
+    the topic id (both as Kafka prints them), never 0."""
+    digest = hashlib.blake2b(f"{cluster_id}/{topic_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") or 1
+
+
+def is_blockagg(text: str) -> bool:
+    """True when a committed metadata string claims to be blockagg's (any layout)."""
+    return text.rstrip("\x00").startswith(PREFIXES)
+
+
 _block_order: Final = attrgetter("table_id", "first", "last")
 """The order of ``BlockRange``'s fields, as a sort key (faster than its ``__lt__``)."""
 
@@ -95,6 +163,7 @@ class Metadata:
     end: int
     resume: int
     blocks: tuple[BlockRange, ...] = field(default=())
+    pins: Pins = NO_PINS
 
     def __post_init__(self) -> None:
         if not 0 <= self.run < 2**64:
@@ -274,10 +343,16 @@ def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
         )
         previous = block.table_id
     header = [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume]
-    varints = msgpack.packb([*header, _pack_varints(fields)], use_bin_type=True)
+    pins = metadata.pins
+    tail: list[object] = []
+    if pins != NO_PINS:
+        tail = [[pins.registry, pins.incarnation, int(pins.dedup)]]
+    varints = msgpack.packb([*header, _pack_varints(fields), *([None] if tail else []), *tail],
+                            use_bin_type=True)
     packed, widths = _pack_bits(fields)
-    bits = msgpack.packb([*header, packed, widths], use_bin_type=True)
-    text = PREFIX + _b85encode(bits if len(bits) < len(varints) else varints)
+    bits = msgpack.packb([*header, packed, widths, *tail], use_bin_type=True)
+    prefix = PREFIX_PINNED if tail else PREFIX
+    text = prefix + _b85encode(bits if len(bits) < len(varints) else varints)
     if len(text) > max_bytes:
         raise MetadataTooLarge(
             f"metadata for {len(metadata.blocks)} tables encodes to {len(text)} bytes, over "
@@ -294,14 +369,25 @@ def decode(text: str) -> Metadata:
     Trailing NUL characters, which some clients append, are ignored.
     """
     text = text.rstrip("\x00")
-    if not text.startswith(PREFIX):
+    if not text.startswith(PREFIXES):
         shown = text if len(text) <= 40 else text[:40] + "..."
-        raise MetadataDecodeError(f"not blockagg metadata (expected prefix {PREFIX!r}): {shown!r}")
+        raise MetadataDecodeError(
+            f"not blockagg metadata (expected prefix {PREFIX!r} or {PREFIX_PINNED!r}): "
+            f"{shown!r}")
+    pinned = text.startswith(PREFIX_PINNED)
     try:
         body = _b85decode(text[len(PREFIX):])
         fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise MetadataDecodeError(f"corrupt metadata body: {exc}") from exc
+    pins = NO_PINS
+    if pinned:
+        if not isinstance(fields, list) or len(fields) != 8:
+            raise MetadataDecodeError(
+                f"expected 8 fields in a {PREFIX_PINNED!r} metadata body, got {fields!r:.80}")
+        pins = _decode_pins(fields.pop())
+        if fields[6] is None:
+            fields.pop()
     if not isinstance(fields, list) or len(fields) not in (6, 7):
         raise MetadataDecodeError(
             f"expected 6 or 7 fields in the metadata body, got {fields!r:.80}"
@@ -325,8 +411,21 @@ def decode(text: str) -> Metadata:
                 accumulate(deltas), values[1::3], values[2::3], strict=True
             )
         ]
-        return Metadata(run, batch, start, end, resume, tuple(blocks))
+        return Metadata(run, batch, start, end, resume, tuple(blocks), pins)
     except MetadataDecodeError:
         raise
     except MetadataError as exc:
         raise MetadataDecodeError(f"metadata violates the contract: {exc}") from exc
+
+
+def _decode_pins(raw: object) -> Pins:
+    if (
+        not isinstance(raw, list)
+        or len(raw) != 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw)
+    ):
+        raise MetadataDecodeError(f"bad pins in the metadata body: {raw!r:.80}")
+    try:
+        return Pins(*raw)
+    except MetadataError as exc:
+        raise MetadataDecodeError(f"bad pins in the metadata body: {exc}") from exc

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from aggregator.core.metadata import NO_PINS, Pins
 from aggregator.exceptions import ConfigError
 
 Int64Array = npt.NDArray[np.int64]
@@ -37,7 +38,10 @@ class Batch:
     decoded ``Rows`` slice, or a ``DeadLetter`` for table id 0). ``tables`` maps
     every table id present to its ``database.table`` name. ``partition_end`` is the
     partition's log-end offset when known; it lets the core notice metadata that is
-    ahead of the partition.
+    ahead of the partition. ``pins`` are what the batch was prepared under besides
+    its messages (registry position, topic incarnation, deduplication mode): a batch
+    that replays an intent must carry that intent's pins (see
+    :func:`aggregator.core.protocol.batch_pins`).
     """
 
     topic: str
@@ -51,6 +55,7 @@ class Batch:
     payloads: Sequence[object]
     tables: Mapping[int, str]
     partition_end: int | None = None
+    pins: Pins = NO_PINS
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
@@ -61,8 +66,8 @@ class Block:
     """A sealed block: the messages of one table in ``[first, last]``, in order.
 
     ``positions`` index the batch's arrays. ``token`` is the deduplication token, a
-    pure function of (topic, partition, table, first, last), so a retried block
-    carries the same one. ``replay`` is True when the block is rebuilt from the
+    pure function of (topic incarnation, topic, partition, table, first, last), so a
+    retried block carries the same one. ``replay`` is True when the block is rebuilt from the
     committed metadata rather than newly formed.
     """
 
@@ -83,9 +88,18 @@ class Block:
         return int(self.positions.shape[0])
 
 
-def block_token(topic: str, partition: int, table: str, first: int, last: int) -> str:
+def block_token(topic: str, partition: int, table: str, first: int, last: int,
+                incarnation: int = 0) -> str:
     """The block's ``insert_deduplication_token``: readable, and a pure function of
-    the block's coordinates, so every retry of the block sends the same token."""
+    the block's coordinates, so every retry of the block sends the same token.
+
+    With the topic's incarnation (:func:`aggregator.core.metadata.incarnation_of`,
+    pinned in the metadata) the token differs between a topic and its recreation, or
+    the same topic name on two clusters; ``0`` (metadata written before pins existed)
+    gives the earlier format, so an intent committed by an earlier version replays
+    with the token its first attempt sent."""
+    if incarnation:
+        return f"blockagg:{incarnation:016x}:{topic}:{partition}:{table}:{first}-{last}"
     return f"blockagg:{topic}:{partition}:{table}:{first}-{last}"
 
 

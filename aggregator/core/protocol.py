@@ -32,8 +32,10 @@ from aggregator.core.exceptions import (
     MetadataAheadOfPartition,
     MetadataContractViolation,
     OffsetGap,
+    PinsMismatch,
+    TopicIncarnationChanged,
 )
-from aggregator.core.metadata import PREFIX, BlockRange, Metadata, decode, encode
+from aggregator.core.metadata import BlockRange, Metadata, Pins, decode, encode, is_blockagg
 from aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore, Thresholds
 
 
@@ -64,11 +66,13 @@ class Resumption:
 
     ``resume`` is the resume offset (``None``: nothing committed yet), ``blocks`` the
     blocks to rebuild, ``foreign`` the warning when the last commit is not ours.
+    ``metadata`` is the last commit's metadata when it is ours and in force.
     """
 
     resume: int | None
     blocks: tuple[BlockRange, ...] = ()
     foreign: str | None = None
+    metadata: Metadata | None = None
 
 
 def read_committed(committed: Committed | None) -> Resumption:
@@ -84,7 +88,7 @@ def read_committed(committed: Committed | None) -> Resumption:
     if committed is None:
         return Resumption(resume=None)
     text = committed.metadata.rstrip("\x00")
-    if not text.startswith(PREFIX):
+    if not is_blockagg(text):
         shown = text if len(text) <= 40 else text[:40] + "..."
         return Resumption(
             resume=committed.offset,
@@ -107,7 +111,55 @@ def read_committed(committed: Committed | None) -> Resumption:
                 f"{committed.offset} with no blocks to replay"
             ),
         )
-    return Resumption(resume=metadata.resume, blocks=metadata.blocks)
+    return Resumption(resume=metadata.resume, blocks=metadata.blocks, metadata=metadata)
+
+
+def batch_pins(topic: str, partition: int, committed: Committed | None, current: Pins) -> Pins:
+    """The pins a batch must be prepared under, given the partition's last commit and
+    what is ``current`` now (the registry's position, the topic's incarnation, the
+    server's deduplication mode).
+
+    A replay uses exactly what its first attempt used (invariant 5): after an intent,
+    its registry position and deduplication mode (where it recorded them) and its
+    incarnation (``0`` for an intent written before pins existed, which keeps its
+    blocks' earlier token format). After a final commit, a foreign one or none, the
+    current pins: no block of the batch can have landed yet. Raises
+    :class:`TopicIncarnationChanged` when the last commit names another incarnation
+    of the topic than ``current``.
+    """
+    return _pins_for(f"{topic}[{partition}]", read_committed(committed), current)
+
+
+def _pins_for(where: str, resumption: Resumption, current: Pins) -> Pins:
+    metadata = resumption.metadata
+    if metadata is None:
+        return current
+    pinned = metadata.pins
+    if pinned.incarnation and current.incarnation and pinned.incarnation != current.incarnation:
+        lost = ""
+        if metadata.blocks:
+            listed = ", ".join(f"table {b.table_id} [{b.first}, {b.last}]"
+                               for b in metadata.blocks)
+            lost = (f" The last commit is an intent listing blocks ({listed}) of the old "
+                    "topic that may not all be in ClickHouse; their messages went with it.")
+        raise TopicIncarnationChanged(
+            f"{where}: the last commit (run {metadata.run}, batch {metadata.batch}, resume "
+            f"{metadata.resume}) was written for another incarnation of the topic (fingerprint "
+            f"{pinned.incarnation:016x}, now {current.incarnation:016x}): the topic was "
+            "deleted and recreated, or this is another Kafka cluster's topic of the same "
+            "name, so its offsets do not apply. Nothing was committed or inserted. If that "
+            "is intended, reset the metadata group's offsets of this topic to its earliest "
+            "offset (kafka-consumer-groups.sh --group <metadata group> --topic <topic> "
+            "--reset-offsets --to-earliest --execute) and restart: every message of the "
+            "new topic is then delivered, under new deduplication tokens." + lost
+        )
+    if not metadata.blocks:
+        return current
+    return Pins(
+        registry=pinned.registry or current.registry,
+        incarnation=pinned.incarnation,
+        dedup=pinned.dedup or current.dedup,
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -236,7 +288,8 @@ def _operations(
     operations: list[Operation] = []
 
     def commit(offset: int, listed: list[BlockRange]) -> None:
-        metadata = Metadata(run, batch_id, batch.start, batch.end, offset, tuple(listed))
+        metadata = Metadata(run, batch_id, batch.start, batch.end, offset, tuple(listed),
+                            batch.pins)
         text = encode(metadata, thresholds.max_metadata_bytes)
         operations.append(CommitMetadata(batch.topic, batch.partition, offset, metadata, text))
 
@@ -286,6 +339,13 @@ def plan_batch(
     Kafka and ClickHouse untouched.
     """
     resumption = read_committed(committed)
+    expected = _pins_for(f"{batch.topic}[{batch.partition}]", resumption, batch.pins)
+    if expected != batch.pins:
+        raise PinsMismatch(
+            f"{batch.topic}[{batch.partition}]: the batch was prepared under {batch.pins} "
+            f"but the intent it replays pinned {expected}; prepare it with batch_pins() so "
+            "the replay decides every message as its first attempt did"
+        )
     resume = batch.start if resumption.resume is None else resumption.resume
     _refusals(batch, resume, resumption.blocks)
     if batch.end <= resume:

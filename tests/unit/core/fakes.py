@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggregator.core.metadata import PREFIX, Metadata, decode
+from aggregator.core.metadata import NO_PINS, Metadata, Pins, decode, is_blockagg
 from aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
 from aggregator.core.protocol import Plan, run_batch
 
@@ -39,6 +39,7 @@ def make_batch(
     partition: int = 0,
     partition_end: int | None = None,
     bytes_per_row: int = 10,
+    pins: Pins = NO_PINS,
 ) -> Batch:
     """The messages of ``messages`` inside ``[start, end)`` as one partition's batch."""
     inside = [m for m in messages if start <= m[0] < end]
@@ -57,6 +58,7 @@ def make_batch(
         payloads=[None] * len(inside),
         tables={t: table_name(t) for t in sorted(set(table_ids.tolist()))},
         partition_end=partition_end,
+        pins=pins,
     )
 
 
@@ -80,7 +82,7 @@ class MemoryMetadataStore:
         return [
             decode(c.metadata)
             for t, p, c in self.history
-            if (t, p) == (topic, partition) and c.metadata.startswith(PREFIX)
+            if (t, p) == (topic, partition) and is_blockagg(c.metadata)
         ]
 
 
