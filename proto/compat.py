@@ -18,9 +18,10 @@ tell: the rows are well-formed. The modes, as Confluent Schema Registry names th
 A check compares a *reader* and a *writer* descriptor field by field number and
 reports a :class:`Difference` for each way the reader would put a different value
 into a column than the writer meant (rule names follow Confluent's protobuf
-checker where the notion is the same; ``FIELD_PRESENCE_CHANGED``,
-``FIELD_POSITION_CHANGED``, ``COLUMN_UNFILLED`` and ``COLUMN_OVERFLOW`` are this
-project's, since they come from the column mapping). Added and removed fields are
+checker where the notion is the same; ``FIELD_NUMBER_CHANGED``,
+``FIELD_PRESENCE_CHANGED``, ``FIELD_POSITION_CHANGED``, ``COLUMN_UNFILLED`` and
+``COLUMN_OVERFLOW`` are this project's, since they come from the column mapping:
+columns are matched by field name, Tuple elements by position). Added and removed fields are
 compatible (the reader skips or defaults them) unless a column or a oneof says
 otherwise. Pure: descriptors and ``system.columns`` rows in, differences out.
 """
@@ -360,6 +361,18 @@ class _Walk:
                 self.add(rule, path,
                          f"{self.reader} requires it and data of {self.writer} never has it: "
                          "such rows do not decode")
+        old_names = {fd.name: fd for fd in old.fields}
+        for fd in new.fields:
+            was = old_names.get(fd.name)
+            if was is None or was.number == fd.number:
+                continue
+            reused = news.get(was.number)
+            if reused is not None and reused.name != fd.name:
+                continue
+            self.add("FIELD_NUMBER_CHANGED", f"{prefix}.{fd.name} (number {fd.number})",
+                     f"number {was.number} in {self.label(False)} and {fd.number} in the new "
+                     f"version: {self.reader} skips the number that data of {self.writer} "
+                     f"carries, so {fd.name} reads as unset")
         if tuple_positions:
             old_pos = {fd.number: i for i, fd in enumerate(old.fields)}
             for i, fd in enumerate(new.fields):

@@ -78,6 +78,14 @@ def test_swapped_field_numbers_are_refused_in_every_mode_but_none(compile_: Comp
         assert "number 1 is a in version 1 and b in the new version" in text
 
 
+def test_a_field_keeping_its_name_under_a_new_number_is_refused(compile_: Compile) -> None:
+    old, new = pair(compile_, "int32 a = 1;", "int32 a = 5;")
+    found = check(Mode.BACKWARD, new, [(1, old)], [Column("a", "Int32")])
+    assert [d.rule for d in found] == ["FIELD_NUMBER_CHANGED"]
+    assert "number 1 in version 1 and 5 in the new version" in str(found[0])
+    assert rules(Mode.FORWARD, old, new) == {"FIELD_NUMBER_CHANGED"}
+
+
 def test_added_field_is_compatible_both_ways(compile_: Compile) -> None:
     old, new = pair(compile_, "int32 a = 1;", "int32 a = 1; string c = 3;")
     cols = [Column("a", "Int32"), Column("c", "String", "DEFAULT", "'x'")]
