@@ -143,10 +143,11 @@ _MODE = click.Choice([m.value for m in Mode], case_sensitive=False)
 @click.option("--no-check", is_flag=True,
               help="Skip the check against the live table (compatibility is then judged on "
                    "the descriptors alone).")
-@click.option("--compatibility", "mode", type=_MODE, default=None,
-              help="The table's compatibility mode, set with its first registration "
-                   f"(default {DEFAULT_MODE.value}); for a registered table it must be its "
-                   "mode (change it with 'ba-schema compatibility').")
+@click.option("--compatibility", "mode", type=_MODE, default=None, metavar="MODE",
+              help="The table's compatibility mode (" + ", ".join(m.value for m in Mode)
+                   + "), set with its first registration (default "
+                   f"{DEFAULT_MODE.value}); for a registered table it must be its mode "
+                   "(change it with 'ba-schema compatibility').")
 @click.option("--force-incompatible", is_flag=True,
               help="Register even if the version breaks the table's compatibility mode; "
                    "the differences are printed and recorded with the version.")
@@ -335,7 +336,7 @@ def check_cmd(ctx: Context, table: str, version: int | None) -> None:
 
 @cli.command("compatibility")
 @click.argument("table")
-@click.argument("mode", type=_MODE, required=False)
+@click.argument("mode", type=_MODE, required=False, metavar="[MODE]")
 @click.pass_obj
 def compatibility_cmd(ctx: Context, table: str, mode: str | None) -> None:
     """Show TABLE's compatibility mode, or set it to MODE.
