@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import lru_cache
 from typing import Final
 
 from google.protobuf import descriptor_pb2
@@ -269,18 +270,23 @@ def _local_name(message: Descriptor) -> str:
 
 def _real_oneof(fd: FieldDescriptor) -> str | None:
     """The oneof ``fd`` belongs to, None for none or the synthetic oneof of a proto3
-    ``optional`` field."""
+    ``optional`` field (the Python API doesn't tell them apart; the descriptor
+    proto's ``proto3_optional`` does)."""
     oneof = fd.containing_oneof
     if oneof is None:
         return None
     parent = fd.containing_type
     assert parent is not None
-    proto = descriptor_pb2.DescriptorProto()
-    parent.CopyToProto(proto)
-    for f in proto.field:
-        if f.number == fd.number and f.proto3_optional:
-            return None
+    if fd.number in _proto3_optionals(parent):
+        return None
     return str(oneof.name)
+
+
+@lru_cache(maxsize=1024)
+def _proto3_optionals(message: Descriptor) -> frozenset[int]:
+    proto = descriptor_pb2.DescriptorProto()
+    message.CopyToProto(proto)
+    return frozenset(f.number for f in proto.field if f.proto3_optional)
 
 
 def _is_required(fd: FieldDescriptor) -> bool:
