@@ -37,6 +37,7 @@ from typing import Final
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 
+from aggregator.clickhouse.exceptions import TypeParseError
 from aggregator.clickhouse.rows import COORDINATE_COLUMNS, Column, match_columns
 from aggregator.clickhouse.types import INT_RANGES, TIMESTAMP, CHType, parse_type
 from proto.descriptors import is_repeated
@@ -174,7 +175,7 @@ def _column_types(descriptor: Descriptor, columns: Sequence[Column] | None
     for name, fd in mapping.items():
         try:
             out[fd.name] = parse_type(by_name[name].type)
-        except Exception:
+        except TypeParseError:
             out[fd.name] = None
     return out
 
