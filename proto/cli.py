@@ -1,8 +1,10 @@
 """``ba-schema``: register protobuf message types for ClickHouse tables, list and show
-registrations, and check them against the live table.
+registrations, set a table's compatibility mode, and check every version against the
+live table.
 
-Exit codes: 0 ok, 1 check failed (mismatches listed), 2 usage, connection or
-registry error. Errors go to stderr; ``--json`` prints one JSON document on stdout.
+Exit codes: 0 ok, 1 check failed (mismatches or compatibility differences listed),
+2 usage, connection or registry error. Errors go to stderr; ``--json`` prints one
+JSON document on stdout.
 Connection settings default to the ``BLOCKAGG_*`` environment variables that
 ``scripts/stack env`` exports.
 """
@@ -20,7 +22,17 @@ from typing import Any, NoReturn
 import click
 
 from aggregator.exceptions import BlockaggError
-from proto.registry import DEFAULT_TOPIC, KafkaStore, Registration, Registry, Store, register
+from proto.compat import DEFAULT_MODE, Mode
+from proto.exceptions import IncompatibleSchema
+from proto.registry import (
+    DEFAULT_TOPIC,
+    KafkaStore,
+    Registration,
+    Registry,
+    Store,
+    register,
+    set_compatibility,
+)
 
 ColumnsFn = Callable[[str], Sequence[Any]]
 
@@ -96,19 +108,26 @@ def cli(ctx: click.Context, bootstrap_servers: str, topic: str, kafka_props: tup
 
 def _summary(reg: Registration) -> dict[str, Any]:
     return {"table": reg.table, "table_id": reg.table_id, "latest": reg.latest.version,
-            "message": reg.latest.message_name, "versions": [v.version for v in reg.versions]}
+            "message": reg.latest.message_name, "versions": [v.version for v in reg.versions],
+            "compatibility": reg.compatibility or DEFAULT_MODE.value}
 
 
-def _check(ctx: Context, table: str, descriptor: Any) -> list[str]:
-    from aggregator.clickhouse.rows import match_columns
-
+def _columns(ctx: Context, table: str) -> Sequence[Any]:
     try:
-        columns = ctx.columns(table)
+        return ctx.columns(table)
     except BlockaggError as exc:
         _fail(ctx, 2, str(exc))
     except Exception as exc:
         _fail(ctx, 2, f"can't read the columns of {table} from ClickHouse: {exc}")
+
+
+def _mismatches(descriptor: Any, columns: Sequence[Any]) -> list[str]:
+    from aggregator.clickhouse.rows import match_columns
+
     return match_columns(descriptor, columns)[1]
+
+
+_MODE = click.Choice([m.value for m in Mode], case_sensitive=False)
 
 
 @cli.command("register")
@@ -121,12 +140,27 @@ def _check(ctx: Context, table: str, descriptor: Any) -> list[str]:
               help="FileDescriptorSet from protoc --include_imports --descriptor_set_out.")
 @click.option("--message", "message_name", required=True, help="Full message name.")
 @click.option("--dry-run", is_flag=True, help="Check and show, write nothing.")
-@click.option("--no-check", is_flag=True, help="Skip the check against the live table.")
+@click.option("--no-check", is_flag=True,
+              help="Skip the check against the live table (compatibility is then judged on "
+                   "the descriptors alone).")
+@click.option("--compatibility", "mode", type=_MODE, default=None, metavar="MODE",
+              help="The table's compatibility mode (" + ", ".join(m.value for m in Mode)
+                   + "), set with its first registration (default "
+                   f"{DEFAULT_MODE.value}); for a registered table it must be its mode "
+                   "(change it with 'ba-schema compatibility').")
+@click.option("--force-incompatible", is_flag=True,
+              help="Register even if the version breaks the table's compatibility mode; "
+                   "the differences are printed and recorded with the version.")
 @click.pass_obj
 def register_cmd(ctx: Context, table: str, proto_file: Path | None, includes: tuple[Path, ...],
                  descriptor_set: Path | None, message_name: str, dry_run: bool,
-                 no_check: bool) -> None:
-    """Register MESSAGE as the next schema version of TABLE (database.table)."""
+                 no_check: bool, mode: str | None, force_incompatible: bool) -> None:
+    """Register MESSAGE as the next schema version of TABLE (database.table).
+
+    The version must fit the live table's columns and keep the table's
+    compatibility mode against the registered versions (BACKWARD by default: the
+    new version reads data written with the latest one). Exit 1 lists every
+    mismatch or difference; nothing is written."""
     from proto.descriptors import compile_proto, load_descriptor
 
     if (proto_file is None) == (descriptor_set is None):
@@ -140,20 +174,36 @@ def register_cmd(ctx: Context, table: str, proto_file: Path | None, includes: tu
         descriptor = load_descriptor(fds, message_name)
     except (BlockaggError, OSError) as exc:
         _fail(ctx, 2, str(exc))
-    mismatches = [] if no_check else _check(ctx, table, descriptor)
+    columns = None if no_check else _columns(ctx, table)
+    mismatches = [] if columns is None else _mismatches(descriptor, columns)
     if mismatches:
         _report_check(ctx, table, mismatches)
+    compatibility = None if mode is None else Mode(mode.upper())
     try:
         if dry_run:
             registry = Registry.load(ctx.store())
-            new = registry.next_registration(table, message_name, fds)
-            result = {"ok": True, "dry_run": True, "changed": new is not None,
-                      **_summary(new or registry.get(table))}
+            new = registry.next_registration(table, message_name, fds,
+                                             compatibility=compatibility, columns=columns,
+                                             force=force_incompatible)
+            reg, changed = new or registry.get(table), new is not None
         else:
-            reg, changed = register(ctx.store(), table, message_name, fds)
-            result = {"ok": True, "dry_run": False, "changed": changed, **_summary(reg)}
+            reg, changed = register(ctx.store(), table, message_name, fds,
+                                    compatibility=compatibility, columns=columns,
+                                    force=force_incompatible)
+    except IncompatibleSchema as exc:
+        _report_incompatible(ctx, exc)
     except BlockaggError as exc:
         _fail(ctx, 2, str(exc))
+    forced = list(reg.latest.forced_incompatibilities) if changed else []
+    if forced:
+        verb = "would register" if dry_run else "registering"
+        click.echo(f"ba-schema: WARNING: {verb} {table} version {reg.latest.version} although "
+                   f"it is NOT {reg.mode.value} compatible (--force-incompatible); recorded "
+                   "with the version:", err=True)
+        for d in forced:
+            click.echo(f"  ! {d}", err=True)
+    result = {"ok": True, "dry_run": dry_run, "changed": changed, **_summary(reg),
+              "forced_incompatibilities": forced}
     if ctx.as_json:
         click.echo(json.dumps(result, indent=2))
         return
@@ -163,6 +213,20 @@ def register_cmd(ctx: Context, table: str, proto_file: Path | None, includes: tu
     else:
         click.echo(f"{verb} {table} version {result['latest']} (table id "
                    f"{result['table_id']}): {message_name}")
+
+
+def _report_incompatible(ctx: Context, exc: IncompatibleSchema) -> NoReturn:
+    if ctx.as_json:
+        click.echo(json.dumps({"ok": False, "table": exc.table, "compatibility": exc.mode,
+                               "differences": exc.differences}, indent=2))
+    click.echo(f"ba-schema: {exc.table}: the new version is not {exc.mode} compatible; "
+               "nothing was registered:", err=True)
+    for d in exc.differences:
+        click.echo(f"  - {d}", err=True)
+    click.echo(f"fix the message type, or change the mode (ba-schema compatibility "
+               f"{exc.table} MODE), or override this once with --force-incompatible",
+               err=True)
+    sys.exit(1)
 
 
 def _report_check(ctx: Context, table: str, mismatches: list[str]) -> NoReturn:
@@ -214,33 +278,96 @@ def show_cmd(ctx: Context, table: str, version: int) -> None:
     if ctx.as_json:
         click.echo(json.dumps({**_summary(reg), "version": v.version,
                                "message": v.message_name, "fields": fields,
-                               "registered_at_ms": v.registered_at_ms}, indent=2))
+                               "registered_at_ms": v.registered_at_ms,
+                               "forced_incompatibilities": list(v.forced_incompatibilities)},
+                              indent=2))
         return
-    click.echo(f"{reg.table} (table id {reg.table_id}) version {v.version} of "
+    click.echo(f"{reg.table} (table id {reg.table_id}, compatibility "
+               f"{reg.compatibility or DEFAULT_MODE.value}) version {v.version} of "
                f"{', '.join(str(x.version) for x in reg.versions)}: {v.message_name}")
+    if v.forced_incompatibilities:
+        click.echo("  registered with --force-incompatible over:")
+        for d in v.forced_incompatibilities:
+            click.echo(f"    ! {d}")
     for f in fields:
         click.echo(f"  {f['number']:>4}  {f['name']:<30} {f['type']}")
 
 
 @cli.command("check")
 @click.argument("table")
-@click.option("--version", "version", type=int, default=0, help="0 = latest.")
+@click.option("--version", "version", type=int, default=None,
+              help="Check only this version (0 = latest); default: every version.")
 @click.pass_obj
-def check_cmd(ctx: Context, table: str, version: int) -> None:
-    """Re-check TABLE's registered message type against the live table."""
+def check_cmd(ctx: Context, table: str, version: int | None) -> None:
+    """Check every registered version of TABLE against the live table's columns.
+
+    Every version stays live (a producer may pin it, and schema_version 0 resolves
+    to older versions for older messages), so after an ALTER TABLE each one must
+    still fit. Exit 1 lists each version, field and column that doesn't."""
     try:
-        v = _registry(ctx).get(table).version(version)
-        descriptor = v.descriptor
+        reg = _registry(ctx).get(table)
+        versions = reg.versions if version is None else (reg.version(version),)
+        descriptors = [(v, v.descriptor) for v in versions]
     except BlockaggError as exc:
         _fail(ctx, 2, str(exc))
-    mismatches = _check(ctx, table, descriptor)
-    if mismatches:
-        _report_check(ctx, table, mismatches)
+    columns = _columns(ctx, table)
+    per_version = {v.version: _mismatches(d, columns) for v, d in descriptors}
+    failed = {n: m for n, m in per_version.items() if m}
+    if failed:
+        if ctx.as_json:
+            click.echo(json.dumps({
+                "ok": False, "table": table,
+                "mismatches": [f"version {n}: {m}" for n, ms in failed.items() for m in ms],
+                "versions": {str(n): ms for n, ms in per_version.items()}}, indent=2))
+        click.echo(f"ba-schema: {table}: {len(failed)} of {len(per_version)} version(s) do "
+                   "not match the table:", err=True)
+        for n, ms in failed.items():
+            for m in ms:
+                click.echo(f"  - version {n}: {m}", err=True)
+        sys.exit(1)
     if ctx.as_json:
-        click.echo(json.dumps({"ok": True, "table": table, "version": v.version,
+        click.echo(json.dumps({"ok": True, "table": table,
+                               "versions": {str(n): [] for n in per_version},
                                "mismatches": []}, indent=2))
     else:
-        click.echo(f"{table}: version {v.version} ({v.message_name}) matches the table")
+        for v, _ in descriptors:
+            click.echo(f"{table}: version {v.version} ({v.message_name}) matches the table")
+
+
+@cli.command("compatibility")
+@click.argument("table")
+@click.argument("mode", type=_MODE, required=False, metavar="[MODE]")
+@click.pass_obj
+def compatibility_cmd(ctx: Context, table: str, mode: str | None) -> None:
+    """Show TABLE's compatibility mode, or set it to MODE.
+
+    \b
+    BACKWARD             new version reads data of the latest one (default)
+    FORWARD              latest version reads data of the new one
+    FULL                 both
+    *_TRANSITIVE         the same against every registered version
+    NONE                 no check
+
+    The mode applies to versions registered from now on."""
+    if mode is None:
+        try:
+            reg = _registry(ctx).get(table)
+        except BlockaggError as exc:
+            _fail(ctx, 2, str(exc))
+        changed = False
+    else:
+        try:
+            reg, changed = set_compatibility(ctx.store(), table, Mode(mode.upper()))
+        except BlockaggError as exc:
+            _fail(ctx, 2, str(exc))
+    current = reg.compatibility or DEFAULT_MODE.value
+    if ctx.as_json:
+        click.echo(json.dumps({"ok": True, "table": table, "compatibility": current,
+                               "changed": changed}, indent=2))
+    elif mode is None:
+        click.echo(f"{table}: {current}")
+    else:
+        click.echo(f"{table}: compatibility {current}" + ("" if changed else " (unchanged)"))
 
 
 def main() -> None:

@@ -37,3 +37,27 @@ class CheckFailed(ProtoError):
         self.mismatches = list(mismatches)
         lines = "\n".join(f"  - {m}" for m in self.mismatches)
         super().__init__(f"{table}: {len(self.mismatches)} mismatch(es):\n{lines}")
+
+
+class CompatibilityError(ProtoError):
+    """A compatibility mode or check can't be applied as asked."""
+
+
+class UnknownMode(CompatibilityError):
+    """A compatibility mode name that is not one of :class:`proto.compat.Mode`."""
+
+
+class IncompatibleSchema(CompatibilityError):
+    """A new version breaks the table's compatibility mode; ``differences`` lists
+    every rule broken (:class:`proto.compat.Difference`), one sentence each."""
+
+    def __init__(self, table: str, mode: str, differences: list[str]) -> None:
+        self.table = table
+        self.mode = mode
+        self.differences = list(differences)
+        lines = "\n".join(f"  - {d}" for d in self.differences)
+        super().__init__(
+            f"{table}: the new version is not {mode} compatible ({len(self.differences)} "
+            f"difference(s)):\n{lines}\nfix the message type, change the table's mode with "
+            f"ba-schema compatibility {table} MODE, or override once with "
+            "--force-incompatible")

@@ -12,7 +12,10 @@ refused, so a bad write can't change what running jobs decode):
 * a table's id is assigned at its first registration, never changes and is never
   reused; ids start at 1 (0 is the dead-letter table);
 * versions start at 1 and only grow; an existing version is never changed;
-* registering the same message type and descriptor as the latest version is a no-op.
+* registering the same message type and descriptor as the latest version is a no-op;
+* a new version must keep the table's compatibility mode (:mod:`proto.compat`;
+  ``BACKWARD`` by default) against the registered versions, unless forced, and a
+  forced version records the differences it overrode.
 """
 
 from __future__ import annotations
@@ -20,10 +23,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
@@ -31,7 +34,17 @@ from google.protobuf.message import DecodeError
 from proto.blockagg.v1 import registry_pb2
 from proto.descriptors import load_descriptor
 from proto.envelope import LATEST, is_table_name
-from proto.exceptions import RegistryError, UnknownTable, UnknownVersion
+from proto.exceptions import (
+    CompatibilityError,
+    IncompatibleSchema,
+    RegistryError,
+    UnknownTable,
+    UnknownVersion,
+)
+
+if TYPE_CHECKING:
+    from aggregator.clickhouse.rows import Column
+    from proto.compat import Mode
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +57,8 @@ class SchemaVersion:
     message_name: str
     file_descriptor_set: bytes
     registered_at_ms: int = 0
+    forced_incompatibilities: tuple[str, ...] = ()
+    """The compatibility differences overridden with ``--force-incompatible``."""
 
     @cached_property
     def descriptor(self) -> Descriptor:
@@ -55,6 +70,17 @@ class Registration:
     table: str
     table_id: int
     versions: tuple[SchemaVersion, ...]
+    compatibility: str = ""
+    """The table's compatibility mode as stored (empty: the default,
+    :data:`proto.compat.DEFAULT_MODE`); kept as text so a record naming a mode this
+    reader doesn't know still decodes."""
+
+    @property
+    def mode(self) -> Mode:
+        """The table's compatibility mode; raises :class:`UnknownMode`."""
+        from proto.compat import parse_mode
+
+        return parse_mode(self.compatibility)
 
     @property
     def latest(self) -> SchemaVersion:
@@ -101,11 +127,13 @@ class Registration:
         return best
 
     def encode(self) -> bytes:
-        msg = registry_pb2.Registration(table=self.table, table_id=self.table_id)
+        msg = registry_pb2.Registration(table=self.table, table_id=self.table_id,
+                                        compatibility=self.compatibility)
         for v in self.versions:
             msg.versions.add(version=v.version, message_name=v.message_name,
                              file_descriptor_set=v.file_descriptor_set,
-                             registered_at_ms=v.registered_at_ms)
+                             registered_at_ms=v.registered_at_ms,
+                             forced_incompatibilities=v.forced_incompatibilities)
         return msg.SerializeToString(deterministic=True)
 
     @staticmethod
@@ -118,14 +146,15 @@ class Registration:
         if key is not None and key.decode("utf-8", "replace") != table:
             raise RegistryError(f"registry record key {key!r} does not match table {table!r}")
         versions = tuple(SchemaVersion(v.version, v.message_name, v.file_descriptor_set,
-                                       v.registered_at_ms) for v in msg.versions)
+                                       v.registered_at_ms, tuple(v.forced_incompatibilities))
+                         for v in msg.versions)
         numbers = [v.version for v in versions]
         if not versions or numbers != sorted(set(numbers)) or numbers[0] < 1:
             raise RegistryError(f"registration of {table} has bad versions {numbers}")
         if msg.table_id < 1:
             raise RegistryError(f"registration of {table} has table id {msg.table_id}; ids "
                                 "start at 1")
-        return Registration(table, msg.table_id, versions)
+        return Registration(table, msg.table_id, versions, msg.compatibility)
 
 
 class Store(Protocol):
@@ -333,12 +362,22 @@ class Registry:
         return v.version, v.descriptor
 
     def next_registration(self, table: str, message_name: str, file_descriptor_set: bytes,
-                          now_ms: int | None = None) -> Registration | None:
+                          now_ms: int | None = None, *,
+                          compatibility: Mode | None = None,
+                          columns: Sequence[Column] | None = None,
+                          force: bool = False) -> Registration | None:
         """The registration that adds this message type as a new version of
-        ``table``, or None when the latest version is identical."""
+        ``table``, or None when the latest version is identical.
+
+        The new version must keep the table's compatibility mode against the
+        registered versions, judged with the live ``columns`` when given
+        (:func:`proto.compat.check`); otherwise :class:`IncompatibleSchema` is raised,
+        unless ``force``, which records the differences in the new version.
+        ``compatibility`` sets the mode of a new table; for a registered table it
+        must be the table's mode (change it with :func:`set_compatibility`)."""
         if not is_table_name(table):
             raise RegistryError(f"table {table!r} is not 'database.table'")
-        load_descriptor(file_descriptor_set, message_name)
+        descriptor = load_descriptor(file_descriptor_set, message_name)
         stamp = int(time.time() * 1000) if now_ms is None else now_ms
         old = self._by_table.get(table)
         if old is not None:
@@ -348,14 +387,27 @@ class Registry:
             stamp = max(stamp, max(v.registered_at_ms for v in old.versions) + 1)
         if old is None:
             table_id = max(self._by_id, default=0) + 1
+            mode = "" if compatibility is None else compatibility.value
             return Registration(table, table_id, (SchemaVersion(1, message_name,
-                                                                file_descriptor_set, stamp),))
+                                                                file_descriptor_set, stamp),),
+                                mode)
+        if compatibility is not None and compatibility != old.mode:
+            raise CompatibilityError(
+                f"{table} has compatibility mode {old.mode}, not {compatibility}; change it "
+                f"first with ba-schema compatibility {table} {compatibility}")
         latest = old.latest
         if (latest.message_name, latest.file_descriptor_set) == (message_name,
                                                                  file_descriptor_set):
             return None
+        from proto.compat import check
+
+        differences = [str(d) for d in check(
+            old.mode, descriptor, [(v.version, v.descriptor) for v in old.versions], columns)]
+        if differences and not force:
+            raise IncompatibleSchema(table, old.mode.value, differences)
         return Registration(table, old.table_id, (*old.versions, SchemaVersion(
-            latest.version + 1, message_name, file_descriptor_set, stamp)))
+            latest.version + 1, message_name, file_descriptor_set, stamp,
+            tuple(differences))), old.compatibility)
 
 
 def _check_successor(old: Registration | None, new: Registration,
@@ -373,25 +425,53 @@ def _check_successor(old: Registration | None, new: Registration,
 
 
 def register(store: Store, table: str, message_name: str, file_descriptor_set: bytes,
-             now_ms: int | None = None) -> tuple[Registration, bool]:
+             now_ms: int | None = None, *, compatibility: Mode | None = None,
+             columns: Sequence[Column] | None = None,
+             force: bool = False) -> tuple[Registration, bool]:
     """Write a new version of ``table`` (re-reading the topic first and after, so a
     concurrent registration is detected). Returns the registration and whether a
     record was written (False: identical to the latest version).
 
     The version's ``registered_at_ms`` is ``now_ms`` (default: this host's clock),
     raised if needed above every earlier version's: messages with
-    ``schema_version = 0`` stamped at or after it decode with the new version."""
+    ``schema_version = 0`` stamped at or after it decode with the new version.
+    A version that breaks the table's compatibility mode raises
+    :class:`IncompatibleSchema` before anything is written, unless ``force``
+    (see :meth:`Registry.next_registration`)."""
     registry = Registry.load(store)
-    new = registry.next_registration(table, message_name, file_descriptor_set, now_ms)
+    new = registry.next_registration(table, message_name, file_descriptor_set, now_ms,
+                                     compatibility=compatibility, columns=columns,
+                                     force=force)
     if new is None:
         return registry.get(table), False
-    store.write(table.encode(), new.encode())
-    after = Registry.load(store).get(table)
+    if new.latest.forced_incompatibilities:
+        log.warning("registering %s version %d against its %s compatibility mode "
+                    "(--force-incompatible): %s", table, new.latest.version, new.mode.value,
+                    "; ".join(new.latest.forced_incompatibilities))
+    _write(store, new)
+    return new, True
+
+
+def set_compatibility(store: Store, table: str, mode: Mode) -> tuple[Registration, bool]:
+    """Set the compatibility mode of registered ``table`` (Confluent's per-subject
+    config); it applies to the versions registered from now on. Returns the
+    registration and whether a record was written."""
+    old = Registry.load(store).get(table)
+    if old.compatibility == mode.value:
+        return old, False
+    new = replace(old, compatibility=mode.value)
+    _write(store, new)
+    return new, True
+
+
+def _write(store: Store, new: Registration) -> None:
+    store.write(new.table.encode(), new.encode())
+    after = Registry.load(store).get(new.table)
     if after != new:
         raise RegistryError(
-            f"a concurrent registration of {table} won (now version {after.latest.version}, "
-            f"id {after.table_id}); check with ba-schema show {table} and retry")
-    return new, True
+            f"a concurrent registration of {new.table} won (now version "
+            f"{after.latest.version}, id {after.table_id}); check with ba-schema show "
+            f"{new.table} and retry")
 
 
 class RegistryCache:

@@ -7,23 +7,27 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SchemaVersion(_message.Message):
-    __slots__ = ("version", "message_name", "file_descriptor_set", "registered_at_ms")
+    __slots__ = ("version", "message_name", "file_descriptor_set", "registered_at_ms", "forced_incompatibilities")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_NAME_FIELD_NUMBER: _ClassVar[int]
     FILE_DESCRIPTOR_SET_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_INCOMPATIBILITIES_FIELD_NUMBER: _ClassVar[int]
     version: int
     message_name: str
     file_descriptor_set: bytes
     registered_at_ms: int
-    def __init__(self, version: _Optional[int] = ..., message_name: _Optional[str] = ..., file_descriptor_set: _Optional[bytes] = ..., registered_at_ms: _Optional[int] = ...) -> None: ...
+    forced_incompatibilities: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., message_name: _Optional[str] = ..., file_descriptor_set: _Optional[bytes] = ..., registered_at_ms: _Optional[int] = ..., forced_incompatibilities: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Registration(_message.Message):
-    __slots__ = ("table", "table_id", "versions")
+    __slots__ = ("table", "table_id", "versions", "compatibility")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     TABLE_ID_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
     table: str
     table_id: int
     versions: _containers.RepeatedCompositeFieldContainer[SchemaVersion]
-    def __init__(self, table: _Optional[str] = ..., table_id: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[SchemaVersion, _Mapping]]] = ...) -> None: ...
+    compatibility: str
+    def __init__(self, table: _Optional[str] = ..., table_id: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[SchemaVersion, _Mapping]]] = ..., compatibility: _Optional[str] = ...) -> None: ...

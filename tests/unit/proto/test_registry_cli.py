@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from aggregator.clickhouse.rows import Column
 from proto.cli import Context, cli
+from proto.compat import Mode
 from proto.exceptions import UnknownTable, UnknownVersion
 from proto.registry import MemoryStore, Registration, Registry, SchemaVersion, register
 
@@ -30,7 +31,8 @@ def run(store: MemoryStore, *args: str, columns: list[Column] | None = None) -> 
 
 def test_ids_and_versions(sample_fds: bytes) -> None:
     store = MemoryStore()
-    r1, changed = register(store, "db.a", "blockagg.test.Inner", sample_fds)
+    r1, changed = register(store, "db.a", "blockagg.test.Inner", sample_fds,
+                           compatibility=Mode.NONE)
     assert changed and (r1.table_id, r1.latest.version) == (1, 1)
     assert register(store, "db.a", "blockagg.test.Inner", sample_fds) == (r1, False)
     r2, _ = register(store, "db.b", "blockagg.test.Inner", sample_fds)
