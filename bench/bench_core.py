@@ -21,10 +21,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from aggregator.core.blocks import Formation, form_blocks, form_blocks_per_message
-from aggregator.core.metadata import BlockRange, Metadata, decode, encode
-from aggregator.core.model import Batch, Thresholds
-from aggregator.core.protocol import plan_batch
+from blockagg.aggregator.core.blocks import Formation, form_blocks, form_blocks_per_message
+from blockagg.aggregator.core.metadata import BlockRange, Metadata, decode, encode
+from blockagg.aggregator.core.model import Batch, Thresholds
+from blockagg.aggregator.core.protocol import plan_batch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 HEADING = "## Core"

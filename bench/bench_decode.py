@@ -19,8 +19,8 @@ from typing import Any
 
 from google.protobuf.descriptor import Descriptor
 
-from proto.decode import decode_rows
-from proto.descriptors import compile_proto, load_descriptor, message_class
+from blockagg.proto.decode import decode_rows
+from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = HERE.parent / "docs" / "BENCHMARKS.md"

@@ -43,10 +43,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from aggregator.clickhouse.deadletters import dead_letter_ddl
 from bench.bench_limits import Servers, append_section
 from bench.workload import (
     COLUMNS,
+    JOB_PY,
     REPO_ROOT,
     Rows,
     ch_client,
@@ -54,7 +54,8 @@ from bench.workload import (
     produce,
     session_processes,
 )
-from proto.envelope import make_envelope
+from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
+from blockagg.proto.envelope import make_envelope
 from tests.faults.workload import COORDINATES, ROW_MESSAGE, row_descriptor_set, varint
 
 
@@ -149,7 +150,7 @@ class Bench:
         return [f"t{i:03d}" for i in range(self.args.tables)] + ["probe"]
 
     def register(self) -> None:
-        from proto.registry import KafkaStore, MemoryStore, register
+        from blockagg.proto.registry import KafkaStore, MemoryStore, register
 
         fds = row_descriptor_set()
         memory = MemoryStore()
@@ -234,7 +235,7 @@ port = 0
         else:
             env.pop("BLOCKAGG_COMPONENTS", None)
         cpus = ",".join(str(i) for i in range(cores))
-        cmd = ["taskset", "-c", cpus, sys.executable, str(REPO_ROOT / "spark" / "job.py"),
+        cmd = ["taskset", "-c", cpus, sys.executable, str(JOB_PY),
                "--config", str(config)]
         if self.args.profile and mode == "exactly_once" and not self.profiled:
             self.profiled = True  # py-spy samples the driver and every Python worker

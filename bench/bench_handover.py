@@ -36,7 +36,7 @@ def session_cpu_seconds() -> float:
 
 
 def count_rows(rows: Iterable[Any]) -> Iterator[int]:
-    from spark.task import records_from_rows
+    from blockagg.spark.task import records_from_rows
 
     records = records_from_rows(rows)
     yield 0 if records is None else len(records.offsets)
@@ -45,7 +45,7 @@ def count_rows(rows: Iterable[Any]) -> Iterator[int]:
 def count_arrow(batches: Iterable[Any]) -> Iterator[Any]:
     import pyarrow as pa
 
-    from spark.task import records_from_arrow
+    from blockagg.spark.task import records_from_arrow
 
     records = records_from_arrow(batches)
     n = 0 if records is None else len(records.offsets)

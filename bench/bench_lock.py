@@ -25,7 +25,7 @@ from bench.workload import REPO_ROOT, create_topic, stack_env
 
 _HOLDER = """
 import sys, time
-from spark.lock import GroupLock
+from blockagg.spark.lock import GroupLock
 lock = GroupLock({"bootstrap.servers": sys.argv[1]}, sys.argv[2], [sys.argv[3]],
                  lambda t: t == sys.argv[3], client_id="holder",
                  session_timeout_ms=int(sys.argv[4]))
@@ -37,7 +37,7 @@ time.sleep(3600)
 
 def handover_seconds(bootstrap: str, session_ms: int) -> float:
     """Seconds from a holder's SIGKILL until a new member holds the lock."""
-    from spark.lock import GroupLock
+    from blockagg.spark.lock import GroupLock
 
     name = f"lockbench-{uuid.uuid4().hex[:8]}"
     create_topic(bootstrap, name, 4)

@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggregator.clickhouse.prepare import Message, Plans, prepare
-from aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
-from aggregator.core.model import Batch, Block, block_token
 from bench.workload import POOL, Rows, stack_env
-from proto.envelope import make_envelope
-from proto.registry import MemoryStore, Registry, register
+from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
+from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+from blockagg.aggregator.core.model import Batch, Block, block_token
+from blockagg.proto.envelope import make_envelope
+from blockagg.proto.registry import MemoryStore, Registry, register
 from tests.faults.workload import COLUMNS, COORDINATES, ROW_MESSAGE, row_descriptor_set, varint
 
 TOPIC = "bench_writer"

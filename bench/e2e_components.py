@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aggregator.config import Config, TopicConfig
-from aggregator.core.model import BlockSink, Committed, MetadataStore
-from spark.components import DefaultComponents, TableRegistry
+from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.aggregator.core.model import BlockSink, Committed, MetadataStore
+from blockagg.spark.components import DefaultComponents, TableRegistry
 
 
 class NoMetadataStore:

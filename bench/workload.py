@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+JOB_PY = REPO_ROOT / "blockagg" / "spark" / "job.py"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from proto.envelope import make_envelope  # noqa: E402
+from blockagg.proto.envelope import make_envelope  # noqa: E402
 from tests.faults.workload import COLUMNS, random_events, varint  # noqa: E402
 
 POOL = 1024

@@ -30,7 +30,7 @@ import numpy as np
 
 from tests.faults.workload import REPO_ROOT, Workload
 
-_ARV = "import sys; sys.argv[0] = 'arv'; from verifier.cli import main; main()"
+_ARV = "import sys; sys.argv[0] = 'arv'; from blockagg.verifier.cli import main; main()"
 
 
 @dataclass

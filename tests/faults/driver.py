@@ -38,7 +38,7 @@ from typing import Any
 
 from tests.faults import checker, hooks
 from tests.faults.proxy import FaultProxy, Mode
-from tests.faults.stack import REPO_ROOT, StackControl, fault_stack_env
+from tests.faults.stack import JOB_PY, REPO_ROOT, StackControl, fault_stack_env
 from tests.faults.workload import Workload
 
 KINDS = (
@@ -111,7 +111,7 @@ class Job:
             out.write(f"\n===== start {self.starts} {time.strftime('%T')} =====\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, str(REPO_ROOT / "spark" / "job.py"), "--config",
+                [sys.executable, str(JOB_PY), "--config",
                  str(self.config)], stdout=out, stderr=subprocess.STDOUT, env=self.env(),
                 cwd=REPO_ROOT, start_new_session=True)
         self.starts += 1

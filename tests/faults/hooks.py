@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aggregator.config import Config, TopicConfig
-from aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
-from spark.components import Components, DefaultComponents, TableRegistry, load_components
+from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
+from blockagg.spark.components import Components, DefaultComponents, TableRegistry, load_components
 
 STEPS = ("after_commit", "after_insert", "between_blocks", "commit_fails")
 

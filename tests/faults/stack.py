@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+JOB_PY = REPO_ROOT / "blockagg" / "spark" / "job.py"
 STACK = REPO_ROOT / "scripts" / "stack"
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))

@@ -27,8 +27,8 @@ def _job_can_write_clickhouse() -> str | None:
     """The job's default adapters must build the ClickHouse writer; until the data path
     lands there is nothing to inject faults into."""
     try:
-        components = importlib.import_module("spark.components")
-        importlib.import_module("aggregator.clickhouse.writer")
+        components = importlib.import_module("blockagg.spark.components")
+        importlib.import_module("blockagg.aggregator.clickhouse.writer")
     except ImportError as exc:
         return f"the job's adapters do not import: {exc}"
     if not hasattr(components, "make_writer"):

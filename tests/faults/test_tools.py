@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aggregator.clickhouse.writer import RETRIABLE_CODES
+from blockagg.aggregator.clickhouse.writer import RETRIABLE_CODES
 from tests.faults import checker
 from tests.faults.proxy import FaultProxy
 from tests.faults.stack import StackControl

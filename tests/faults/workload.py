@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from aggregator.clickhouse.deadletters import dead_letter_ddl
-from proto.descriptors import compile_proto, load_descriptor, message_class
-from proto.envelope import make_envelope
-from proto.registry import KafkaStore, MemoryStore, register
+from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
+from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
+from blockagg.proto.envelope import make_envelope
+from blockagg.proto.registry import KafkaStore, MemoryStore, register
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_PROTO = REPO_ROOT / "bench" / "row.proto"

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aggregator.clickhouse.deadletters import DeadLetter
-from aggregator.config import Config, TopicConfig
-from aggregator.core.model import Batch, Block, BlockSink, MetadataStore
-from spark.components import DefaultComponents, StaticRegistry, TableRegistry
+from blockagg.aggregator.clickhouse.deadletters import DeadLetter
+from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.aggregator.core.model import Batch, Block, BlockSink, MetadataStore
+from blockagg.spark.components import DefaultComponents, StaticRegistry, TableRegistry
 
 
 class InjectedFailure(RuntimeError):

@@ -9,17 +9,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aggregator.clickhouse.prepare import Message, Plans, prepare
-from aggregator.clickhouse.writer import (
+from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
+from blockagg.aggregator.clickhouse.writer import (
     ClickHouseBlockWriter,
     Replica,
     WriterConfig,
     numpy_inserts_available,
 )
-from aggregator.core.model import Batch, Block, block_token
-from proto.descriptors import load_descriptor, message_class
-from proto.envelope import make_envelope
-from proto.registry import MemoryStore, Registry, register
+from blockagg.aggregator.core.model import Batch, Block, block_token
+from blockagg.proto.descriptors import load_descriptor, message_class
+from blockagg.proto.envelope import make_envelope
+from blockagg.proto.registry import MemoryStore, Registry, register
 from tests.faults.workload import COLUMNS, COORDINATES, ROW_MESSAGE, row_descriptor_set
 from tests.integration.conftest import replicated_engine
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from aggregator.clickhouse.deadletters import make_dead_letter
-from aggregator.clickhouse.dlq_topic import DeadLetterTopic
+from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
+from blockagg.aggregator.clickhouse.dlq_topic import DeadLetterTopic
 
 pytestmark = pytest.mark.integration
 

@@ -40,6 +40,7 @@ from tests.integration.conftest import replicated_engine
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
+JOB_PY = REPO / "blockagg" / "spark" / "job.py"
 PARTITIONS = 3
 
 PROTO = """
@@ -122,7 +123,7 @@ class Feed:
     def __init__(self, bootstrap: str, topic: str, database: str, proto_file: Path) -> None:
         from confluent_kafka import Producer
 
-        from proto.descriptors import compile_proto, load_descriptor, message_class
+        from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 
         self.topic = topic
         self.database = database
@@ -175,7 +176,7 @@ class Feed:
         return done
 
     def _envelope(self) -> tuple[str, list[int], bytes]:
-        from proto.envelope import make_envelope
+        from blockagg.proto.envelope import make_envelope
 
         short = list(TABLES)[self.counter % len(TABLES)]
         n = 1 + self.counter % 3
@@ -264,7 +265,7 @@ class ChJob:
     def run(self, *extra: str, master: str = "local[2]", env: dict[str, str] | None = None,
             timeout: float = 240) -> str:
         """``spark-submit spark/job.py --until-caught-up``; fails on a non-zero exit."""
-        cmd = ["spark-submit", *self.spark_args(master), str(REPO / "spark" / "job.py"),
+        cmd = ["spark-submit", *self.spark_args(master), str(JOB_PY),
                "--config", str(self.config), "--until-caught-up", *extra]
         started = time.monotonic()
         try:
@@ -287,7 +288,7 @@ class ChJob:
         """The job without ``--until-caught-up`` as a plain Python process (pyspark
         starts the JVM as its child, so signals reach the driver's handlers), in its
         own session (so a test can kill the whole process group)."""
-        cmd = [sys.executable, str(REPO / "spark" / "job.py"), "--config", str(self.config),
+        cmd = [sys.executable, str(JOB_PY), "--config", str(self.config),
                *extra]
         full = {**self.env, **(env or {}),
                 "PYSPARK_SUBMIT_ARGS": " ".join([*self.spark_args("local[2]"),
@@ -355,7 +356,7 @@ class ChJob:
     def assert_arv(self) -> None:
         from click.testing import CliRunner
 
-        from verifier.cli import cli
+        from blockagg.verifier.cli import cli
 
         runner = CliRunner()
         verify = runner.invoke(cli, ["verify", "--bootstrap-servers", self.bootstrap,
@@ -496,8 +497,8 @@ def make_job(tmp: Path, stack_env: dict[str, str], topic: str, database: str,
     """Tables on both replicas, schemas registered with ``ba-schema``, the job TOML."""
     from click.testing import CliRunner
 
-    from aggregator.clickhouse.deadletters import dead_letter_ddl
-    from proto.cli import cli as ba_schema
+    from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
+    from blockagg.proto.cli import cli as ba_schema
 
     for client in clients:
         for short, (columns, _) in TABLES.items():
@@ -564,7 +565,7 @@ def test_three_tables_three_partitions_with_transactions_and_an_abort_are_exact(
     # block (plain MergeTree) only warns at startup; it does not block the job.
     from click.testing import CliRunner
 
-    from proto.cli import cli as ba_schema
+    from blockagg.proto.cli import cli as ba_schema
 
     unrelated = f"{chjob.database}.unrelated"
     for client in chjob.clients:
@@ -671,7 +672,7 @@ def test_a_task_failing_once_after_its_insert_is_retried_by_spark_and_exact(
 
 def test_bad_messages_are_dead_letters_once_with_their_reason_and_the_rest_exact(
         chjob: ChJob) -> None:
-    from proto.envelope import make_envelope
+    from blockagg.proto.envelope import make_envelope
 
     feed = chjob.feed
     orders, clicks = feed.table("orders"), feed.table("clicks")

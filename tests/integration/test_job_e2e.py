@@ -20,12 +20,13 @@ from typing import Any
 
 import pytest
 
-from proto.envelope import make_envelope
+from blockagg.proto.envelope import make_envelope
 from tests.integration.job_support import stored
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
+JOB_PY = REPO / "blockagg" / "spark" / "job.py"
 TABLES = {"db.a": 1, "db.b": 2}
 DEAD = "blockagg.dead_letters"
 
@@ -114,7 +115,7 @@ class JobEnv:
             "--conf", "spark.ui.enabled=false",
             "--conf", "spark.driver.host=127.0.0.1",
             "--conf", "spark.driver.bindAddress=127.0.0.1",
-            str(REPO / "spark" / "job.py"), "--config", str(self.config), *extra,
+            str(JOB_PY), "--config", str(self.config), *extra,
         ]
 
     def run(self, *extra: str, master: str = "local[2]", timeout: float = 300,
@@ -127,7 +128,7 @@ class JobEnv:
     def popen(self, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         """The driver as a plain Python process (pyspark starts the JVM as its child),
         so signals reach the driver's handlers directly."""
-        cmd = [sys.executable, str(REPO / "spark" / "job.py"), "--config", str(self.config),
+        cmd = [sys.executable, str(JOB_PY), "--config", str(self.config),
                *extra]
         full_env = {**self.env, **(env or {}),
                     "PYSPARK_SUBMIT_ARGS": f"--master local[2] --jars "

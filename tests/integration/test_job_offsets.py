@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from spark.offsets import (
+from blockagg.spark.offsets import (
     OffsetLog,
     PlannedRange,
     list_partitions,

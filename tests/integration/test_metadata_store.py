@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from aggregator.core.metadata import BlockRange, Metadata, decode, encode
-from aggregator.core.model import Thresholds
-from aggregator.core.protocol import plan_batch, process_batch
-from aggregator.kafka.exceptions import OffsetMetadataTooLarge
-from aggregator.kafka.metadata_store import KafkaMetadataStore
+from blockagg.aggregator.core.metadata import BlockRange, Metadata, decode, encode
+from blockagg.aggregator.core.model import Thresholds
+from blockagg.aggregator.core.protocol import plan_batch, process_batch
+from blockagg.aggregator.kafka.exceptions import OffsetMetadataTooLarge
+from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
 from tests.unit.core.fakes import DedupSink, expected_rows, make_batch, run_crashing
 
 pytestmark = pytest.mark.integration

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from proto.cli import cli
-from proto.registry import KafkaStore, Registry
+from blockagg.proto.cli import cli
+from blockagg.proto.registry import KafkaStore, Registry
 from tests.integration.conftest import replicated_engine
 
 pytestmark = pytest.mark.integration

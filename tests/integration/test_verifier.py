@@ -19,11 +19,11 @@ import pytest
 from click.testing import CliRunner, Result
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from aggregator.core.metadata import BlockRange, Metadata, encode
-from verifier.cli import cli
-from verifier.history import OFFSETS_TOPIC, HistoryReader, Tombstone
-from verifier.offsets_codec import OffsetCommit, decode_record
-from verifier.rules import Commit
+from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+from blockagg.verifier.cli import cli
+from blockagg.verifier.history import OFFSETS_TOPIC, HistoryReader, Tombstone
+from blockagg.verifier.offsets_codec import OffsetCommit, decode_record
+from blockagg.verifier.rules import Commit
 
 pytestmark = pytest.mark.integration
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor
 
-from aggregator.clickhouse.exceptions import DedupNotConfigured
-from aggregator.clickhouse.rows import Column, decode_messages, make_plan
-from aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
-from aggregator.core.model import Batch, Block, block_token
-from proto.descriptors import message_class
+from blockagg.aggregator.clickhouse.exceptions import DedupNotConfigured
+from blockagg.aggregator.clickhouse.rows import Column, decode_messages, make_plan
+from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+from blockagg.aggregator.core.model import Batch, Block, block_token
+from blockagg.proto.descriptors import message_class
 
 chdb = pytest.importorskip("chdb")
 

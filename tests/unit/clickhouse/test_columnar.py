@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor
 
-from aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
-from aggregator.clickhouse.writer import (
+from blockagg.aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
+from blockagg.aggregator.clickhouse.writer import (
     ClickHouseBlockWriter,
     Replica,
     WriterConfig,
     numpy_inserts_available,
 )
-from aggregator.core.model import Batch, Block, block_token
-from proto.descriptors import message_class
+from blockagg.aggregator.core.model import Batch, Block, block_token
+from blockagg.proto.descriptors import message_class
 
 pytestmark = pytest.mark.skipif(not numpy_inserts_available(),
                                 reason="clickhouse-driver's numpy extras (pandas) missing")

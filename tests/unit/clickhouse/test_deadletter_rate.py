@@ -2,9 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from aggregator.clickhouse.deadletter_rate import RateThreshold, RateWindow, check_rate, exceeds
-from aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from aggregator.exceptions import BlockaggError, ConfigError
+from blockagg.aggregator.clickhouse.deadletter_rate import (
+    RateThreshold,
+    RateWindow,
+    check_rate,
+    exceeds,
+)
+from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
+from blockagg.aggregator.exceptions import BlockaggError, ConfigError
 
 
 @pytest.mark.parametrize(("dead", "total", "max_rate", "min_messages", "over"), [

@@ -5,15 +5,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aggregator.clickhouse.deadletters import make_dead_letter
-from aggregator.clickhouse.dlq_topic import (
+from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
+from blockagg.aggregator.clickhouse.dlq_topic import (
     DeadLetterPublishFailed,
     DeadLetterTopic,
     DeadLetterTopicSink,
     dlq_headers,
     dlq_key,
 )
-from aggregator.core.model import Batch, Block
+from blockagg.aggregator.core.model import Batch, Block
 
 
 class FakeProducer:

@@ -5,12 +5,12 @@ from typing import Any
 import numpy as np
 from google.protobuf.descriptor import Descriptor
 
-from aggregator.clickhouse.deadletters import DeadLetter
-from aggregator.clickhouse.prepare import Message, Plans, prepare
-from aggregator.clickhouse.rows import Column, Rows
-from proto.descriptors import message_class
-from proto.envelope import make_envelope
-from proto.registry import MemoryStore, Registry, register
+from blockagg.aggregator.clickhouse.deadletters import DeadLetter
+from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
+from blockagg.aggregator.clickhouse.rows import Column, Rows
+from blockagg.proto.descriptors import message_class
+from blockagg.proto.envelope import make_envelope
+from blockagg.proto.registry import MemoryStore, Registry, register
 
 
 def test_prepare_routes_and_dead_letters(sample: Descriptor, sample_fds: bytes) -> None:

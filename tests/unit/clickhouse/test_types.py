@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor
 
-from aggregator.clickhouse.types import (
+from blockagg.aggregator.clickhouse.types import (
     convert_array,
     convert_column,
     field_mismatch,
     parse_type,
 )
-from proto.decode import decode_rows
-from proto.descriptors import message_class
+from blockagg.proto.decode import decode_rows
+from blockagg.proto.descriptors import message_class
 
 
 def convert(sample: Descriptor, ch: str, field: str, msgs: list[dict[str, Any]]

@@ -10,12 +10,12 @@ import pytest
 from clickhouse_driver import errors as ch_errors
 from google.protobuf.descriptor import Descriptor
 
-from aggregator.clickhouse.deadletters import make_dead_letter
-from aggregator.clickhouse.exceptions import DedupNotConfigured, InsertFailed
-from aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
-from aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
-from aggregator.core.model import Batch, Block, block_token
-from proto.descriptors import message_class
+from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
+from blockagg.aggregator.clickhouse.exceptions import DedupNotConfigured, InsertFailed
+from blockagg.aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
+from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+from blockagg.aggregator.core.model import Batch, Block, block_token
+from blockagg.proto.descriptors import message_class
 
 
 class FakeClient:

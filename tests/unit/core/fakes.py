@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggregator.core.metadata import NO_PINS, Metadata, Pins, decode, is_blockagg
-from aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
-from aggregator.core.protocol import Plan, run_batch
+from blockagg.aggregator.core.metadata import NO_PINS, Metadata, Pins, decode, is_blockagg
+from blockagg.aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
+from blockagg.aggregator.core.protocol import Plan, run_batch
 
 Message = tuple[int, int, int]
 """(offset, table id, rows) of one Kafka message."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import pairwise
 
-from aggregator.core.metadata import Metadata
+from blockagg.aggregator.core.metadata import Metadata
 
 
 def anomalies(history: Sequence[Metadata]) -> list[str]:

@@ -6,10 +6,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.core.blocks import REPLAY_EVENT, Formation, form_blocks, form_blocks_per_message
-from aggregator.core.exceptions import ReplayBlockMissing
-from aggregator.core.metadata import BlockRange
-from aggregator.core.model import Thresholds
+from blockagg.aggregator.core.blocks import (
+    REPLAY_EVENT,
+    Formation,
+    form_blocks,
+    form_blocks_per_message,
+)
+from blockagg.aggregator.core.exceptions import ReplayBlockMissing
+from blockagg.aggregator.core.metadata import BlockRange
+from blockagg.aggregator.core.model import Thresholds
 from tests.unit.core.fakes import Message, make_batch
 
 

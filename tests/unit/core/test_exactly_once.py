@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.core.exceptions import BatchEndsInsideReplayBlock
-from aggregator.core.model import Thresholds
-from aggregator.core.protocol import plan_batch
+from blockagg.aggregator.core.exceptions import BatchEndsInsideReplayBlock
+from blockagg.aggregator.core.model import Thresholds
+from blockagg.aggregator.core.protocol import plan_batch
 from tests.unit.core.fakes import (
     DedupSink,
     MemoryMetadataStore,

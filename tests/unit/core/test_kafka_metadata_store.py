@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from aggregator.core.exceptions import MetadataTooLarge
-from aggregator.exceptions import ConfigError
-from aggregator.kafka.exceptions import MetadataCommitError, OffsetMetadataTooLarge
-from aggregator.kafka.metadata_store import KafkaMetadataStore
+from blockagg.aggregator.core.exceptions import MetadataTooLarge
+from blockagg.aggregator.exceptions import ConfigError
+from blockagg.aggregator.kafka.exceptions import MetadataCommitError, OffsetMetadataTooLarge
+from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
 
 
 class ScriptedConsumer:

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.core.exceptions import MetadataDecodeError, MetadataError, MetadataTooLarge
-from aggregator.core.metadata import PREFIX, BlockRange, Metadata, decode, encode
+from blockagg.aggregator.core.exceptions import MetadataDecodeError, MetadataError, MetadataTooLarge
+from blockagg.aggregator.core.metadata import PREFIX, BlockRange, Metadata, decode, encode
 
 MAX_OFFSET = 2**63 - 1
 
@@ -203,7 +203,7 @@ def test_wire_format_is_the_documented_layout(metadata: Metadata) -> None:
 @settings(max_examples=300, derandomize=True)
 @given(st.binary(max_size=64))
 def test_base85_matches_the_standard_library(data: bytes) -> None:
-    from aggregator.core.metadata import _b85decode, _b85encode
+    from blockagg.aggregator.core.metadata import _b85decode, _b85encode
 
     text = base64.b85encode(data).decode("ascii")
     assert _b85encode(data) == text

@@ -10,8 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.core.exceptions import MetadataDecodeError, PinsMismatch, TopicIncarnationChanged
-from aggregator.core.metadata import (
+from blockagg.aggregator.core.exceptions import (
+    MetadataDecodeError,
+    PinsMismatch,
+    TopicIncarnationChanged,
+)
+from blockagg.aggregator.core.metadata import (
     NO_PINS,
     PREFIX,
     PREFIX_PINNED,
@@ -24,8 +28,8 @@ from aggregator.core.metadata import (
     incarnation_of,
     is_blockagg,
 )
-from aggregator.core.model import Committed, Thresholds, block_token
-from aggregator.core.protocol import batch_pins, plan_batch, run_batch
+from blockagg.aggregator.core.model import Committed, Thresholds, block_token
+from blockagg.aggregator.core.protocol import batch_pins, plan_batch, run_batch
 from tests.unit.core.fakes import DedupSink, MemoryMetadataStore, make_batch
 from tests.unit.core.test_metadata import metadatas
 

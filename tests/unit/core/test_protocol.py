@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from aggregator.core.exceptions import (
+from blockagg.aggregator.core.exceptions import (
     BatchEndsInsideReplayBlock,
     BatchRefused,
     MetadataAheadOfPartition,
@@ -19,9 +19,9 @@ from aggregator.core.exceptions import (
     OffsetGap,
     ReplayBlockMissing,
 )
-from aggregator.core.metadata import BlockRange, Metadata, encode
-from aggregator.core.model import Thresholds
-from aggregator.core.protocol import (
+from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+from blockagg.aggregator.core.model import Thresholds
+from blockagg.aggregator.core.protocol import (
     BatchReport,
     CommitMetadata,
     InsertBlock,

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from google.protobuf.descriptor import Descriptor
 
-from proto.descriptors import compile_proto, load_descriptor
+from blockagg.proto.descriptors import compile_proto, load_descriptor
 
 SAMPLE = Path(__file__).with_name("sample.proto")
 

@@ -15,13 +15,13 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from aggregator.clickhouse.rows import Column
-from aggregator.clickhouse.types import convert_column, field_mismatch, parse_type
-from aggregator.exceptions import BlockaggError
-from proto.compat import DEFAULT_MODE, Direction, Mode, check, differences, parse_mode
-from proto.decode import decode_rows
-from proto.descriptors import compile_proto, load_descriptor, message_class
-from proto.exceptions import UnknownMode
+from blockagg.aggregator.clickhouse.rows import Column
+from blockagg.aggregator.clickhouse.types import convert_column, field_mismatch, parse_type
+from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.proto.compat import DEFAULT_MODE, Direction, Mode, check, differences, parse_mode
+from blockagg.proto.decode import decode_rows
+from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
+from blockagg.proto.exceptions import UnknownMode
 
 Compile = Callable[..., dict[str, Descriptor]]
 _counter = itertools.count()

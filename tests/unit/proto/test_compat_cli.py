@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from aggregator.clickhouse.rows import Column
-from proto.cli import Context, cli
-from proto.compat import Mode
-from proto.exceptions import CompatibilityError, IncompatibleSchema
-from proto.registry import MemoryStore, Registration, Registry, register, set_compatibility
+from blockagg.aggregator.clickhouse.rows import Column
+from blockagg.proto.cli import Context, cli
+from blockagg.proto.compat import Mode
+from blockagg.proto.exceptions import CompatibilityError, IncompatibleSchema
+from blockagg.proto.registry import MemoryStore, Registration, Registry, register, set_compatibility
 
 COLUMNS = [Column("a", "Int32"), Column("b", "Int32"), Column("_offset", "UInt64")]
 WITH_C = [*COLUMNS, Column("c", "String", "DEFAULT", "''")]
@@ -138,7 +138,7 @@ def test_check_covers_every_version(protos: dict[str, Path]) -> None:
 
 
 def test_register_api_modes(protos: dict[str, Path]) -> None:
-    from proto.descriptors import compile_proto
+    from blockagg.proto.descriptors import compile_proto
 
     fds = {name: compile_proto(path) for name, path in protos.items()}
     store = MemoryStore()
@@ -158,7 +158,7 @@ def test_register_api_modes(protos: dict[str, Path]) -> None:
 
 
 def test_a_record_with_an_unknown_mode_still_decodes(protos: dict[str, Path]) -> None:
-    from proto.descriptors import compile_proto
+    from blockagg.proto.descriptors import compile_proto
 
     store = MemoryStore()
     first, _ = register(store, "db.t", "t.Row", compile_proto(protos["v1"]))

@@ -14,8 +14,8 @@ from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proto.decode import arrow_type, decode_rows
-from proto.descriptors import compile_proto, is_repeated, load_descriptor, message_class
+from blockagg.proto.decode import arrow_type, decode_rows
+from blockagg.proto.descriptors import compile_proto, is_repeated, load_descriptor, message_class
 
 I32 = st.integers(-(2**31), 2**31 - 1)
 I64 = st.integers(-(2**63), 2**63 - 1)

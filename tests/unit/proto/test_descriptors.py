@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from proto.descriptors import compile_proto, load_descriptor
-from proto.exceptions import SchemaError
+from blockagg.proto.descriptors import compile_proto, load_descriptor
+from blockagg.proto.exceptions import SchemaError
 
 RECURSIVE = """
 syntax = "proto3";

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proto.envelope import Parsed, Rejected, make_envelope, parse_envelope
+from blockagg.proto.envelope import Parsed, Rejected, make_envelope, parse_envelope
 
 
 def test_roundtrip() -> None:

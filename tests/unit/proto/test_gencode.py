@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from proto.generate import MAX_GENCODE, gencode_version
+from blockagg.proto.generate import MAX_GENCODE, gencode_version
 
-GENERATED = sorted((Path(__file__).resolve().parents[3] / "proto" / "blockagg" / "v1")
+GENERATED = sorted((Path(__file__).resolve().parents[3] / "blockagg" / "proto" / "blockagg" / "v1")
                    .glob("*_pb2.py"))
 
 
@@ -21,7 +21,7 @@ def test_gencode_fits_the_protobuf_floor(module: Path) -> None:
     version = gencode_version(text)
     assert version is not None and version <= MAX_GENCODE, (
         f"{module.name} is gencode {version}; regenerate with grpcio-tools==1.63.0 "
-        "(python -m proto.generate) or raise the protobuf floor")
+        "(python -m blockagg.proto.generate) or raise the protobuf floor")
     assert "ValidateProtobufRuntimeVersion" not in text
 
 
@@ -33,7 +33,7 @@ def test_gencode_version_parsing() -> None:
 @pytest.mark.parametrize("impl", ["upb", "python"])
 def test_round_trip_on_each_backend(impl: str) -> None:
     code = (
-        "from proto.blockagg.v1 import envelope_pb2, registry_pb2\n"
+        "from blockagg.proto.blockagg.v1 import envelope_pb2, registry_pb2\n"
         "e = envelope_pb2.Envelope(table='a.b', schema_version=2, rows=[b'x'])\n"
         "assert envelope_pb2.Envelope.FromString(e.SerializeToString()) == e\n"
         "r = registry_pb2.Registration(table='a.b', table_id=1)\n"

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from proto.descriptors import compile_proto
-from proto.exceptions import UnknownTable, UnknownVersion
-from proto.registry import MemoryStore, Registry, RegistryCache, register
+from blockagg.proto.descriptors import compile_proto
+from blockagg.proto.exceptions import UnknownTable, UnknownVersion
+from blockagg.proto.registry import MemoryStore, Registry, RegistryCache, register
 
 T0 = 1_700_000_000_000
 

@@ -1,13 +1,13 @@
-"""spark.driver: the dead-letter rate window judged after each batch (no Spark)."""
+"""blockagg.spark.driver: the dead-letter rate window judged after each batch (no Spark)."""
 
 from __future__ import annotations
 
 from typing import Any
 from unittest.mock import MagicMock
 
-from aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from aggregator.config import loads
-from spark.driver import BatchSummary, Driver
+from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
+from blockagg.aggregator.config import loads
+from blockagg.spark.driver import BatchSummary, Driver
 
 CONFIG = """
 [job]

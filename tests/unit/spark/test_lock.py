@@ -1,4 +1,4 @@
-"""spark.lock.GroupLock's rebalance callbacks, without a broker.
+"""blockagg.spark.lock.GroupLock's rebalance callbacks, without a broker.
 
 A partition *revoked* from a held lock means another member joined (a second job); a
 partition *lost* means our own session expired (the broker was unreachable). The two
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from spark.lock import GroupLock
+from blockagg.spark.lock import GroupLock
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""spark.offsets: the offset-log parsers and the startingOffsets JSON (pure parts)."""
+"""blockagg.spark.offsets: the offset-log parsers and the startingOffsets JSON (pure parts)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from spark.exceptions import OffsetLogError
-from spark.offsets import (
+from blockagg.spark.exceptions import OffsetLogError
+from blockagg.spark.offsets import (
     PlannedRange,
     assign_json,
     offsets_json,

@@ -1,4 +1,4 @@
-"""spark.task: batch building and the one-partition-per-task contract (no Spark)."""
+"""blockagg.spark.task: batch building and the one-partition-per-task contract (no Spark)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
-from aggregator.clickhouse.deadletters import DeadLetter
-from aggregator.config import loads
-from aggregator.core.model import Batch, Block, Committed
-from proto.envelope import make_envelope
-from spark.components import StaticRegistry
-from spark.exceptions import TaskContractError
-from spark.offsets import PlannedRange
-from spark.task import Message, TaskContext, build_batch, reason_label, run_partition
+from blockagg.aggregator.clickhouse.deadletters import DeadLetter
+from blockagg.aggregator.config import loads
+from blockagg.aggregator.core.model import Batch, Block, Committed
+from blockagg.proto.envelope import make_envelope
+from blockagg.spark.components import StaticRegistry
+from blockagg.spark.exceptions import TaskContractError
+from blockagg.spark.offsets import PlannedRange
+from blockagg.spark.task import Message, TaskContext, build_batch, reason_label, run_partition
 
 CONFIG = """
 [job]
@@ -149,8 +149,8 @@ def test_dead_letters_are_delivered_whatever_the_rate() -> None:
 
 def test_live_columns_refuses_a_table_that_would_not_drop_a_retried_block(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from aggregator.clickhouse.exceptions import DedupNotConfigured, TableNotFound
-    from spark import task
+    from blockagg.aggregator.clickhouse.exceptions import DedupNotConfigured, TableNotFound
+    from blockagg.spark import task
 
     class Writer:
         def check_tables(self, tables: Sequence[str], writers: int = 1) -> list[str]:

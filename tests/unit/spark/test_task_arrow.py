@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.clickhouse.deadletters import DeadLetter
-from aggregator.core.model import Batch, Block
-from proto.envelope import make_envelope
-from spark.exceptions import TaskContractError
-from spark.offsets import PlannedRange
-from spark.task import REPORT_SCHEMA, run_arrow_partition, run_partition
+from blockagg.aggregator.clickhouse.deadletters import DeadLetter
+from blockagg.aggregator.core.model import Batch, Block
+from blockagg.proto.envelope import make_envelope
+from blockagg.spark.exceptions import TaskContractError
+from blockagg.spark.offsets import PlannedRange
+from blockagg.spark.task import REPORT_SCHEMA, run_arrow_partition, run_partition
 from tests.unit.spark.test_task import Components, ctx
 
 SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()),

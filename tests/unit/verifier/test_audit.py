@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from aggregator.core.metadata import BlockRange, Metadata, encode
-from proto.envelope import Parsed, make_envelope, parse_envelope
-from verifier import audit_sources
-from verifier.audit import (
+from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+from blockagg.proto.envelope import Parsed, make_envelope, parse_envelope
+from blockagg.verifier import audit_sources
+from blockagg.verifier.audit import (
     AuditPlan,
     Committed,
     Message,
@@ -24,8 +24,8 @@ from verifier.audit import (
     audit_partitions,
     make_plan,
 )
-from verifier.cli import cli
-from verifier.exceptions import AuditError
+from blockagg.verifier.cli import cli
+from blockagg.verifier.exceptions import AuditError
 
 A, B, DLT = "db.a", "db.b", "blockagg.dead_letters"
 AUDITED = frozenset({A, B})

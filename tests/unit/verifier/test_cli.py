@@ -8,11 +8,11 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from aggregator.core.metadata import BlockRange, Metadata, encode
-from verifier.cli import Report, cli
-from verifier.exceptions import HistoryReadError
-from verifier.history import CommitMerger, parse_settings
-from verifier.rules import Anomaly, Commit, Verifier
+from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+from blockagg.verifier.cli import Report, cli
+from blockagg.verifier.exceptions import HistoryReadError
+from blockagg.verifier.history import CommitMerger, parse_settings
+from blockagg.verifier.rules import Anomaly, Commit, Verifier
 
 BASE = ["verify", "--bootstrap-servers", "127.0.0.1:1"]
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggregator.core.metadata import BlockRange, Metadata, encode
-from verifier.rules import AnomalyKind, Commit, Verifier
+from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+from blockagg.verifier.rules import AnomalyKind, Commit, Verifier
 
 B = BlockRange
 

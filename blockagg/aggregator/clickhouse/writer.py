@@ -1,0 +1,577 @@
+"""The ClickHouse :class:`~aggregator.core.model.BlockSink`: one native-protocol,
+columnar insert per block, retried identically until acknowledged.
+
+Invariants:
+
+* A block is inserted whole, with its rows in position order, in one ``INSERT``;
+  a retry sends the very same rows (and the same ``insert_deduplication_token`` on
+  servers that have it, 22.x+), on the same or another replica of the shard. So a
+  block the server already has is dropped by block deduplication, and a block is
+  never split or reordered.
+* ``insert`` returns only once the server acknowledged the insert with the
+  configured ``insert_quorum``. Connection errors and retriable server errors
+  (:data:`RETRIABLE_CODES`) are retried with exponential backoff; any other error
+  stops with the server's code and message (:class:`InsertFailed`).
+* :meth:`ClickHouseBlockWriter.check_tables` refuses tables that would not drop a
+  retried block, naming the table and the setting to change.
+
+Columnar path: when every column of a block is a numpy array (see
+:func:`aggregator.clickhouse.types.convert_array`) of a type clickhouse-driver's numpy
+mode writes (:data:`NUMPY_TYPES`), the block goes through ``use_numpy`` (integers,
+floats, DateTime and strings serialised from the arrays; Enum and Array columns take
+the driver's generic per-column fallback from ``object`` arrays); otherwise as
+Python lists, as before. Both send the same values of the same types, so the server
+hashes the block alike whichever path (or writer version) sent it; the choice is a
+pure function of the block (its column types and size) and the configuration, so a
+retry takes the same path, and each attempt sends a fresh copy of the same columns.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from blockagg.aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_COLUMNS
+from blockagg.aggregator.clickhouse.deadletters import DeadLetter
+from blockagg.aggregator.clickhouse.exceptions import (
+    ClickHouseError,
+    DedupNotConfigured,
+    InsertFailed,
+    TableNotFound,
+)
+from blockagg.aggregator.clickhouse.rows import (
+    COORDINATE_COLUMNS,
+    Column,
+    ColumnSet,
+    Rows,
+    TablePlan,
+)
+from blockagg.aggregator.clickhouse.types import INT_RANGES, CHType, default_value, parse_type
+from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
+from blockagg.aggregator.core.model import Batch, Block
+
+log = logging.getLogger(__name__)
+
+RETRIABLE_CODES: Final = frozenset({
+    3,    # UNEXPECTED_END_OF_FILE
+    32,   # ATTEMPT_TO_READ_AFTER_EOF
+    159,  # TIMEOUT_EXCEEDED
+    164,  # READONLY (replica lost its ZooKeeper session)
+    202,  # TOO_MANY_SIMULTANEOUS_QUERIES
+    203,  # NO_FREE_CONNECTION
+    209,  # SOCKET_TIMEOUT
+    210,  # NETWORK_ERROR
+    225,  # NO_ZOOKEEPER
+    236,  # ABORTED
+    241,  # MEMORY_LIMIT_EXCEEDED
+    242,  # TABLE_IS_READ_ONLY
+    252,  # TOO_MANY_PARTS
+    279,  # ALL_CONNECTION_TRIES_FAILED
+    285,  # TOO_FEW_LIVE_REPLICAS
+    286,  # UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE
+    319,  # UNKNOWN_STATUS_OF_INSERT
+    373,  # SESSION_IS_LOCKED
+    394,  # QUERY_WAS_CANCELLED
+    425,  # SYSTEM_ERROR
+    999,  # KEEPER_EXCEPTION
+    1000,  # POCO_EXCEPTION
+})
+"""Server error codes after which the identical block is retried. Everything else
+(syntax, unknown column, type mismatch, readonly user…) will fail again: stop."""
+
+TOKEN_MIN_VERSION: Final = (22, 2)
+"""First server version with ``insert_deduplication_token``."""
+
+NUMPY_TYPES: Final = frozenset({*INT_RANGES, "Float32", "Float64", "String", "DateTime",
+                                "Enum8", "Enum16", "Array"})
+"""Column types a block may have to go through clickhouse-driver's numpy mode:
+written from arrays (integers, floats, String, DateTime without a time zone), or
+by the driver's generic column from an ``object`` array (Enum8/16, Array(T))."""
+
+DEFAULT_INSERT_BLOCK_SIZE: Final = 1_048_576
+"""clickhouse-driver's ``insert_block_size``: larger blocks go as lists, which the
+driver splits at exactly this many rows (its numpy mode splits differently)."""
+
+_NUMPY_FALLBACK_WARNING: Final = "NumPy support is not implemented for"
+
+
+class _QuietNumpyFallback(logging.Filter):
+    """Drops clickhouse-driver's per-insert warning that an Enum/Array column takes
+    the generic path in numpy mode: that is by design here (:data:`NUMPY_TYPES`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_NUMPY_FALLBACK_WARNING)
+
+
+@functools.cache
+def numpy_inserts_available() -> bool:
+    """Whether clickhouse-driver's numpy mode can be used (it needs pandas)."""
+    try:
+        import clickhouse_driver.columns.numpy.service
+        import clickhouse_driver.numpy.helpers  # noqa: F401
+    except ImportError:
+        return False
+    logging.getLogger("clickhouse_driver.columns.service").addFilter(_QuietNumpyFallback())
+    return True
+
+
+def numpy_type_ok(ch: CHType) -> bool:
+    """Whether a column of type ``ch`` may go through the numpy mode."""
+    if ch.name == "DateTime":
+        return not ch.args
+    return ch.name in NUMPY_TYPES
+
+
+@dataclass(frozen=True, eq=False)
+class BlockData:
+    """A block's insert: column names, columns, and whether they are numpy arrays
+    for clickhouse-driver's numpy mode (else Python lists)."""
+
+    names: tuple[str, ...]
+    columns: list[Any]
+    numpy: bool
+
+    @property
+    def rows(self) -> int:
+        return len(self.columns[0]) if self.columns else 0
+
+    def fresh(self, lists: bool = False) -> list[Any]:
+        """A copy of the columns for one attempt (the driver rewrites some in place);
+        ``lists``: as Python lists (the same values) for a client without numpy mode."""
+        if lists:
+            return [c.tolist() if isinstance(c, np.ndarray) else list(c)
+                    for c in self.columns]
+        return [c.copy() if isinstance(c, np.ndarray) else list(c) for c in self.columns]
+
+
+def _is_driver_client(client: Any) -> bool:
+    """Whether ``client`` is clickhouse-driver's (the only one with numpy mode)."""
+    try:
+        from clickhouse_driver import Client as DriverClient
+    except ImportError:
+        return False
+    return isinstance(client, DriverClient)
+
+
+class Client(Protocol):
+    """The part of ``clickhouse_driver.Client`` the writer uses."""
+
+    def execute(self, query: str, params: Any = None, *, columnar: bool = False,
+                settings: dict[str, Any] | None = None, **kwargs: Any) -> Any: ...
+
+    def disconnect(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Replica:
+    host: str
+    port: int = 9000
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """Where and how to insert. ``replicas`` are the replicas of *one* shard (the
+    shard this topic feeds); ``insert_quorum`` 0 means the server's default."""
+
+    replicas: tuple[Replica, ...]
+    user: str = "default"
+    password: str = ""
+    insert_quorum: int = 0
+    insert_quorum_timeout_ms: int | None = None
+    max_attempts: int = 12
+    backoff_initial_s: float = 0.2
+    backoff_max_s: float = 15.0
+    connect_timeout_s: float = 10.0
+    send_receive_timeout_s: float = 300.0
+    dead_letter_table: str = "blockagg.dead_letters"
+    extra_settings: Mapping[str, Any] = field(default_factory=dict)
+    use_numpy: bool = True
+    """Send blocks whose columns are numpy arrays through clickhouse-driver's numpy
+    mode (when the driver's numpy extras, i.e. pandas, are installed)."""
+
+    def __post_init__(self) -> None:
+        if not self.replicas:
+            from blockagg.aggregator.exceptions import ConfigError
+
+            raise ConfigError("need at least one ClickHouse replica (host:port) for the shard")
+
+
+def default_client_factory(config: WriterConfig) -> Callable[[Replica], Client]:
+    from clickhouse_driver import Client as DriverClient
+
+    def make(replica: Replica) -> Client:
+        client: Client = DriverClient(
+            replica.host, port=replica.port, user=config.user, password=config.password,
+            connect_timeout=config.connect_timeout_s,
+            send_receive_timeout=config.send_receive_timeout_s)
+        return client
+    return make
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
+
+
+@dataclass
+class TableInfo:
+    """What the writer learned about a table at startup."""
+
+    table: str
+    columns: tuple[Column, ...]
+    engine: str
+    coordinates: bool
+
+
+class ClickHouseBlockWriter:
+    """Implements :class:`aggregator.core.model.BlockSink` for one shard."""
+
+    def __init__(self, config: WriterConfig,
+                 client_factory: Callable[[Replica], Client] | None = None,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.config = config
+        self._factory = client_factory or default_client_factory(config)
+        self._clients: dict[Replica, Client] = {}
+        self._sleep = sleep
+        self._preferred = 0
+        self._server_version: tuple[int, ...] | None = None
+
+    def _client(self, replica: Replica) -> Client:
+        client = self._clients.get(replica)
+        if client is None:
+            client = self._clients[replica] = self._factory(replica)
+        return client
+
+    def _drop(self, replica: Replica) -> None:
+        client = self._clients.pop(replica, None)
+        if client is not None:
+            try:
+                client.disconnect()
+            except Exception:
+                log.debug("disconnect from %s failed", replica, exc_info=True)
+
+    def close(self) -> None:
+        for replica in list(self._clients):
+            self._drop(replica)
+
+    def query(self, sql: str, params: Any = None) -> Any:
+        """Run a read-only query on the first replica that answers."""
+        return self._with_retries("(query)", lambda c: c.execute(sql, params))
+
+    @property
+    def server_version(self) -> tuple[int, ...]:
+        if self._server_version is None:
+            rows = self.query("SELECT version()")
+            self._server_version = parse_version(str(rows[0][0]))
+        return self._server_version
+
+    @property
+    def supports_token(self) -> bool:
+        return self.server_version >= TOKEN_MIN_VERSION
+
+    def describe(self, table: str) -> TableInfo:
+        database, name = table.split(".", 1)
+        rows = self.query(
+            "SELECT name, type, default_kind, default_expression FROM system.columns "
+            "WHERE database = %(db)s AND table = %(t)s", {"db": database, "t": name})
+        if not rows:
+            raise TableNotFound(f"table {table} does not exist (or has no columns) on "
+                                f"{self.config.replicas[self._preferred].host}")
+        columns = tuple(Column(str(n), str(t), str(k), str(e)) for n, t, k, e in rows)
+        engine = self.query(
+            "SELECT engine FROM system.tables WHERE database = %(db)s AND name = %(t)s",
+            {"db": database, "t": name})
+        names = {c.name for c in columns}
+        return TableInfo(table, columns, str(engine[0][0]) if engine else "",
+                         all(c in names for c in COORDINATE_COLUMNS))
+
+    def check_tables(self, tables: Sequence[str], writers: int = 1) -> list[str]:
+        """Refuse tables that won't deduplicate; return warnings.
+
+        Raises :class:`DedupNotConfigured` when a table is not ``Replicated*`` and
+        has no ``non_replicated_deduplication_window`` > 0, or when the user's
+        profile sets ``insert_deduplicate = 0``. Warns when a table lacks the
+        Kafka-coordinate columns (a new block equal to a recent one would be
+        dropped by content-hash deduplication) and when the deduplication window
+        is smaller than ``writers`` (partitions writing to the table) x 2.
+        """
+        warnings: list[str] = []
+        profile = self.query("SELECT value FROM system.settings "
+                             "WHERE name = 'insert_deduplicate'")
+        if profile and str(profile[0][0]) == "0":
+            raise DedupNotConfigured(
+                f"user {self.config.user!r} has insert_deduplicate = 0 in its profile; set "
+                "insert_deduplicate = 1 in the user's profile (users.xml) so a retried "
+                "block is dropped")
+        for table in tables:
+            info = self.describe(table)
+            create = str(self.query(f"SHOW CREATE TABLE {table}")[0][0])
+            window = _setting_in_create(create, "replicated_deduplication_window")
+            if info.engine.startswith("Replicated"):
+                if window is None:
+                    window = self._merge_tree_setting("replicated_deduplication_window", 100)
+                if window == 0:
+                    raise DedupNotConfigured(
+                        f"table {table} has replicated_deduplication_window = 0; set it to "
+                        "at least 100 (ALTER TABLE ... MODIFY SETTING or the table's "
+                        "SETTINGS) so retried blocks are deduplicated")
+            elif info.engine.endswith("MergeTree"):
+                window = _setting_in_create(create, "non_replicated_deduplication_window")
+                if window is None:
+                    window = self._merge_tree_setting("non_replicated_deduplication_window", 0)
+                if not window:
+                    raise DedupNotConfigured(
+                        f"table {table} uses {info.engine}, which does not deduplicate "
+                        f"inserts; use Replicated{info.engine} or set "
+                        "non_replicated_deduplication_window = 1000 in its SETTINGS "
+                        "(ClickHouse 21.2+)")
+            else:
+                raise DedupNotConfigured(
+                    f"table {table} uses engine {info.engine or '(none)'}, which does not "
+                    "deduplicate inserts; insert into the shard's ReplicatedMergeTree table "
+                    "(not a Distributed, Buffer or view)")
+            if window is not None and window < 2 * writers:
+                warnings.append(
+                    f"table {table}: deduplication window {window} is small for {writers} "
+                    "writers; raise replicated_deduplication_window (or "
+                    "non_replicated_deduplication_window) so a retry still finds its block")
+            if not info.coordinates and table != self.config.dead_letter_table:
+                missing = ", ".join(c for c in COORDINATE_COLUMNS
+                                    if c not in {col.name for col in info.columns})
+                hint = ("" if self.supports_token else
+                        " (this server has no insert_deduplication_token)")
+                warnings.append(
+                    f"table {table} has no {missing} column(s): a new block whose rows equal "
+                    "a recent block's would be dropped by content-hash deduplication"
+                    f"{hint}; add _topic String, _partition UInt32, _offset UInt64")
+        for w in warnings:
+            log.warning("%s", w)
+        return warnings
+
+    def _merge_tree_setting(self, name: str, default: int) -> int | None:
+        try:
+            rows = self.query("SELECT value FROM system.merge_tree_settings "
+                              "WHERE name = %(n)s", {"n": name})
+        except InsertFailed:
+            return default
+        return int(rows[0][0]) if rows else None
+
+    def settings_for(self, block: Block) -> dict[str, Any]:
+        settings: dict[str, Any] = {"insert_deduplicate": 1, **self.config.extra_settings}
+        if self.config.insert_quorum:
+            settings["insert_quorum"] = self.config.insert_quorum
+            if self.config.insert_quorum_timeout_ms is not None:
+                settings["insert_quorum_timeout"] = self.config.insert_quorum_timeout_ms
+        if self.supports_token:
+            settings["insert_deduplication_token"] = block.token
+        return settings
+
+    def block_columns(self, block: Block, batch: Batch) -> tuple[tuple[str, ...], list[list[Any]]]:
+        """The block's column names and columnar values (Python lists), rows in
+        position order.
+
+        Pure: the same block over the same batch always gives the same values."""
+        data = self.block_data(block, batch, numpy=False)
+        return data.names, data.columns
+
+    def block_data(self, block: Block, batch: Batch, numpy: bool | None = None) -> BlockData:
+        """The block's insert, rows in position order: numpy arrays when ``numpy``
+        (default: the configuration and the driver allow it) and every column
+        converted to an array of a :data:`NUMPY_TYPES` type, else Python lists.
+
+        Pure: the same block over the same batch always gives the same data."""
+        payloads = [batch.payloads[int(p)] for p in block.positions]
+        if block.table_id == DEAD_LETTER_TABLE_ID:
+            rows = []
+            for payload in payloads:
+                if not isinstance(payload, DeadLetter):
+                    raise ClickHouseError(
+                        f"block of the dead-letter table holds a {type(payload).__name__} "
+                        "payload; the task must pass a DeadLetter (make_dead_letter)")
+                rows.append(payload.row())
+            return BlockData(DEAD_LETTER_COLUMNS,
+                             [list(col) for col in zip(*rows, strict=True)], False)
+        rows_payloads: list[Rows] = []
+        for payload in payloads:
+            if not isinstance(payload, Rows):
+                raise ClickHouseError(
+                    f"block of {block.table} holds a {type(payload).__name__} payload; "
+                    "expected aggregator.clickhouse.rows.Rows")
+            rows_payloads.append(payload)
+        names, fills = self._union_columns(block, [p.columns.plan for p in rows_payloads])
+        if numpy is None:
+            numpy = self.config.use_numpy and numpy_inserts_available()
+        if numpy and not fills and self._numpy_eligible(block, rows_payloads):
+            return BlockData(names, self._array_columns(block, batch, rows_payloads), True)
+        values: list[list[Any]] = []
+        positions = block.positions.tolist()
+        for name in names:
+            col: list[Any] = []
+            for payload, pos in zip(rows_payloads, positions, strict=True):
+                plan = payload.columns.plan
+                j = plan.columns.index(name) if name in plan.columns else -1
+                if j < 0:
+                    col.extend([fills[name]] * payload.count)
+                elif plan.fields[j] is None and name in COORDINATE_COLUMNS:
+                    value = (block.topic if name == "_topic" else block.partition
+                             if name == "_partition" else int(batch.offsets[pos]))
+                    col.extend([value] * payload.count)
+                else:
+                    part = payload.columns.values[j][payload.start:payload.stop]
+                    col.extend(part.tolist() if isinstance(part, np.ndarray) else part)
+            values.append(col)
+        return BlockData(names, values, False)
+
+    def _numpy_eligible(self, block: Block, payloads: Sequence[Rows]) -> bool:
+        """Every column an array of a numpy-mode type, and the block within one
+        driver insert block (a function of the block only: a retry agrees)."""
+        limit = int(self.config.extra_settings.get("insert_block_size",
+                                                   DEFAULT_INSERT_BLOCK_SIZE))
+        if block.rows > limit or sum(p.count for p in payloads) > limit:
+            return False
+        seen: set[int] = set()
+        for payload in payloads:
+            cs = payload.columns
+            if id(cs) in seen:
+                continue
+            seen.add(id(cs))
+            for ch, fd, values in zip(cs.plan.types, cs.plan.fields, cs.values, strict=True):
+                if not numpy_type_ok(ch):
+                    return False
+                if fd is not None and not isinstance(values, np.ndarray):
+                    return False
+        return True
+
+    @staticmethod
+    def _array_columns(block: Block, batch: Batch, payloads: Sequence[Rows]
+                       ) -> list[npt.NDArray[Any]]:
+        plan = payloads[0].columns.plan
+        counts = np.fromiter((p.count for p in payloads), dtype=np.int64, count=len(payloads))
+        # Consecutive payloads that are adjacent slices of one ColumnSet (the usual
+        # case: one decode per table and partition) are taken as one slice.
+        runs: list[tuple[ColumnSet, int, int]] = []
+        for p in payloads:
+            if runs and runs[-1][0] is p.columns and runs[-1][2] == p.start:
+                runs[-1] = (p.columns, runs[-1][1], p.stop)
+            else:
+                runs.append((p.columns, p.start, p.stop))
+        n = int(counts.sum())
+        out: list[npt.NDArray[Any]] = []
+        for j, name in enumerate(plan.columns):
+            if plan.fields[j] is None and name in COORDINATE_COLUMNS:
+                if name == "_topic":
+                    col = np.full(n, block.topic, dtype=object)
+                elif name == "_partition":
+                    col = np.full(n, block.partition, dtype=np.int64)
+                else:
+                    col = np.repeat(batch.offsets[block.positions].astype(np.int64), counts)
+            else:
+                parts = []
+                for cs, start, stop in runs:
+                    values = cs.values[j]
+                    assert isinstance(values, np.ndarray)
+                    parts.append(values[start:stop])
+                col = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            out.append(col)
+        return out
+
+    def _union_columns(self, block: Block, plans: Sequence[TablePlan]
+                       ) -> tuple[tuple[str, ...], dict[str, Any]]:
+        """The insert's columns for a block whose messages were decoded with
+        ``plans``: the union of the plans' columns in the table's column order, and
+        the value each column takes in rows of a version that lacks it (its
+        constant DEFAULT, NULL, or the type's zero value). A column no version of
+        the block carries is left out, so the server computes its DEFAULT."""
+        distinct: list[TablePlan] = []
+        for plan in plans:
+            if all(plan is not d and plan.columns != d.columns for d in distinct):
+                distinct.append(plan)
+        first = distinct[0]
+        if len(distinct) == 1:
+            return first.columns, {}
+        live = next((p.live for p in distinct if p.live), ())
+        if not live:
+            raise ClickHouseError(
+                f"block of {block.table} mixes schema versions with different columns and "
+                "its plans carry no live columns; build plans with "
+                "blockagg.aggregator.clickhouse.rows.make_plan")
+        present = {name for p in distinct for name in p.columns}
+        names = tuple(c.name for c in live if c.name in present)
+        fills: dict[str, Any] = {}
+        for c in live:
+            if c.name not in present or all(c.name in p.columns for p in distinct):
+                continue
+            value, exact = default_value(parse_type(c.type), c.default_kind,
+                                         c.default_expression)
+            if not exact:
+                log.warning("%s: rows of schema versions without column %s get %r, not its "
+                            "DEFAULT %s (not a constant); pin one version per block or make "
+                            "the default a literal", block.table, c.name, value,
+                            c.default_expression)
+            fills[c.name] = value
+        return names, fills
+
+    def insert(self, block: Block, batch: Batch) -> None:
+        """Insert ``block`` (all its rows, in one insert); return once acknowledged."""
+        table = (self.config.dead_letter_table if block.table_id == DEAD_LETTER_TABLE_ID
+                 else block.table)
+        data = self.block_data(block, batch)
+        if not data.rows:
+            return
+        quoted = ", ".join(f"`{n}`" for n in data.names)
+        sql = f"INSERT INTO {table} ({quoted}) VALUES"
+        settings = self.settings_for(block)
+
+        def send(client: Client) -> Any:
+            if data.numpy and _is_driver_client(client):
+                return client.execute(sql, data.fresh(), columnar=True,
+                                      settings={**settings, "use_numpy": True})
+            return client.execute(sql, data.fresh(lists=True), columnar=True,
+                                  settings=settings)
+        self._with_retries(table, send)
+
+    def _with_retries(self, what: str, action: Callable[[Client], Any]) -> Any:
+        from clickhouse_driver import errors as ch_errors
+
+        replicas = self.config.replicas
+        delay = self.config.backoff_initial_s
+        last_code: int | None = None
+        last_message = ""
+        for attempt in range(1, self.config.max_attempts + 1):
+            replica = replicas[self._preferred % len(replicas)]
+            try:
+                return action(self._client(replica))
+            except ch_errors.ServerException as exc:
+                last_code, last_message = int(exc.code), str(exc.message)
+                if last_code not in RETRIABLE_CODES:
+                    raise InsertFailed(what, last_code, last_message, attempt) from exc
+            except (ch_errors.NetworkError, ch_errors.SocketTimeoutError, EOFError,
+                    OSError, ch_errors.UnexpectedPacketFromServerError) as exc:
+                last_code, last_message = None, f"{type(exc).__name__}: {exc}"
+            except ch_errors.Error as exc:
+                code = getattr(exc, "code", None)
+                last_code, last_message = code, str(exc)
+                if code not in RETRIABLE_CODES:
+                    raise InsertFailed(what, code, last_message, attempt) from exc
+            log.warning("%s on %s:%d failed (attempt %d/%d): %s; retrying the identical "
+                        "block", what, replica.host, replica.port, attempt,
+                        self.config.max_attempts, last_message)
+            self._drop(replica)
+            self._preferred += 1
+            if attempt < self.config.max_attempts:
+                self._sleep(min(delay, self.config.backoff_max_s) * random.uniform(0.8, 1.2))
+                delay *= 2
+        raise InsertFailed(what, last_code, last_message, self.config.max_attempts)
+
+
+def _setting_in_create(create: str, name: str) -> int | None:
+    m = re.search(rf"\b{name}\s*=\s*(\d+)", create)
+    return int(m.group(1)) if m else None

@@ -1,0 +1,431 @@
+"""The metadata contract: what the aggregator commits to Kafka with every offset
+commit, and what the verifier reads back from ``__consumer_offsets``.
+
+See ``docs/metadata.md`` for the full contract. In short, a :class:`Metadata` records
+for one topic-partition:
+
+* the writer (``run``: a random id per job run) and the micro-batch (``batch``);
+* the batch's planned offset range ``[start, end)``;
+* the resume offset (also the committed consumer-group offset): every offset below
+  it is delivered, and it is at or below every unacknowledged block and every
+  buffered message;
+* for every table whose last block may still matter (its last offset is at or above
+  the resume offset), that block's first and last offset.
+
+* the :class:`Pins`: what besides the messages decided the batch's blocks (the
+  schema-registry position, the topic's incarnation, the deduplication mode), so a
+  replay decides alike (``docs/protocol.md``, "What a replay depends on").
+
+Encoding: ``"ba1:" + base85(msgpack([run, batch, start, end, resume, packed]))``
+or, when strictly shorter, ``msgpack([run, batch, start, end, resume, packed,
+[blocks, w1, w2, w3]])``; with pins, ``"ba2:" + base85(msgpack([run, batch, start,
+end, resume, packed, widths or nil, [registry, incarnation, dedup]]))``. Either
+way the block list holds three values per block, sorted by table id:
+``table_id - previous_table_id`` (the first one raw), ``first - start`` and
+``end - 1 - last``; the varint layout packs them as unsigned LEB128 varints, the
+fixed-width one as bit fields (each column as wide as its largest value, MSB first,
+zero-padded). The fixed-width layout bounds a block at about ``log2(tables) + 2 *
+log2(batch range)`` bits, so 500 tables fit the broker's default 4096-byte limit for
+batch ranges up to about a million offsets wherever the blocks lie. Offsets
+themselves are 64-bit. The string is ASCII, so
+valid UTF-8 without NUL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import IntEnum
+from itertools import accumulate
+from operator import attrgetter
+from typing import Final
+
+import msgpack
+import numpy as np
+
+from blockagg.aggregator.core.exceptions import MetadataDecodeError, MetadataError, MetadataTooLarge
+
+PREFIX: Final = "ba1:"
+"""Marks a metadata string as blockagg's, version 1 of the layout (no pins)."""
+
+PREFIX_PINNED: Final = "ba2:"
+"""Version 2 of the layout: version 1's body followed by the :class:`Pins`."""
+
+PREFIXES: Final = (PREFIX, PREFIX_PINNED)
+
+DEFAULT_MAX_BYTES: Final = 4096
+"""Kafka's default ``offset.metadata.max.bytes``."""
+
+DEAD_LETTER_TABLE_ID: Final = 0
+"""Table id reserved for the dead-letter table."""
+
+_MAX_OFFSET: Final = 2**63 - 1
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class BlockRange:
+    """One table's block: the first and last Kafka offset of the messages in it.
+
+    Both ends are inclusive. The block holds every message of ``table_id`` in
+    ``[first, last]`` of its partition, in offset order, and no other message.
+    """
+
+    table_id: int
+    first: int
+    last: int
+
+    def __post_init__(self) -> None:
+        if self.table_id < 0:
+            raise MetadataError(f"table id must be >= 0, got {self.table_id}")
+        if not 0 <= self.first <= self.last <= _MAX_OFFSET:
+            raise MetadataError(
+                f"block of table {self.table_id} has first={self.first} last={self.last}; "
+                "need 0 <= first <= last < 2**63"
+            )
+
+    def overlaps(self, other: BlockRange) -> bool:
+        """True when both blocks share at least one offset."""
+        return self.first <= other.last and other.first <= self.last
+
+
+class DedupMode(IntEnum):
+    """How ClickHouse recognises a retried block, pinned so a replay is recognised
+    the same way as its first attempt even across a server upgrade."""
+
+    UNPINNED = 0
+    """Not recorded (metadata written before pins existed): the server's current mode."""
+    BLOCK_HASH = 1
+    """By the hash of the block's content (servers without ``insert_deduplication_token``)."""
+    TOKEN = 2
+    """By the block's ``insert_deduplication_token``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pins:
+    """What, besides the partition's messages and the thresholds, decided a batch's
+    blocks: a replay of an intent must use exactly its pins (invariant 5).
+
+    ``registry`` is the schema-registry position the batch was classified with (the
+    registry as of that position decides table or dead letter, schema version and
+    column mapping; ``0``: not pinned). ``incarnation`` is a 64-bit fingerprint of the
+    Kafka cluster id and the topic id (:func:`incarnation_of`; ``0``: unknown), so a
+    recreated topic or another cluster's topic of the same name is recognised, and it
+    is part of every block's deduplication token. ``dedup`` is the
+    :class:`DedupMode` the blocks were inserted with.
+    """
+
+    registry: int = 0
+    incarnation: int = 0
+    dedup: int = DedupMode.UNPINNED
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.registry <= _MAX_OFFSET:
+            raise MetadataError(f"registry position must be in [0, 2**63), got {self.registry}")
+        if not 0 <= self.incarnation < 2**64:
+            raise MetadataError(
+                f"topic incarnation must fit in 64 bits unsigned, got {self.incarnation}")
+        if self.dedup not in DedupMode._value2member_map_:
+            raise MetadataError(f"unknown deduplication mode {self.dedup}")
+
+
+NO_PINS: Final = Pins()
+
+
+def incarnation_of(cluster_id: str, topic_id: str) -> int:
+    """The topic incarnation fingerprint: a pure function of the Kafka cluster id and
+    the topic id (both as Kafka prints them), never 0."""
+    digest = hashlib.blake2b(f"{cluster_id}/{topic_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") or 1
+
+
+def is_blockagg(text: str) -> bool:
+    """True when a committed metadata string claims to be blockagg's (any layout)."""
+    return text.rstrip("\x00").startswith(PREFIXES)
+
+
+_block_order: Final = attrgetter("table_id", "first", "last")
+"""The order of ``BlockRange``'s fields, as a sort key (faster than its ``__lt__``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Metadata:
+    """One committed metadata instance for one topic-partition.
+
+    Invariants checked at construction: ``0 <= start <= resume <= end``; every block
+    lies inside ``[start, end)`` and ends at or after ``resume`` (a block that ends
+    before the resume offset no longer matters and must be left out); at most one
+    block per table.
+    """
+
+    run: int
+    batch: int
+    start: int
+    end: int
+    resume: int
+    blocks: tuple[BlockRange, ...] = field(default=())
+    pins: Pins = NO_PINS
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.run < 2**64:
+            raise MetadataError(f"run id must fit in 64 bits unsigned, got {self.run}")
+        if not 0 <= self.batch < 2**63:
+            raise MetadataError(f"batch id must be >= 0, got {self.batch}")
+        if not 0 <= self.start <= self.resume <= self.end <= _MAX_OFFSET:
+            raise MetadataError(
+                f"need 0 <= start <= resume <= end, got start={self.start} "
+                f"resume={self.resume} end={self.end}"
+            )
+        ordered = tuple(sorted(self.blocks, key=_block_order))
+        object.__setattr__(self, "blocks", ordered)
+        seen: set[int] = set()
+        for block in ordered:
+            if block.table_id in seen:
+                raise MetadataError(f"table {block.table_id} has more than one block")
+            seen.add(block.table_id)
+            if not self.start <= block.first <= block.last < self.end:
+                raise MetadataError(
+                    f"block {block} lies outside the batch range [{self.start}, {self.end})"
+                )
+            if block.last < self.resume:
+                raise MetadataError(
+                    f"block {block} ends before the resume offset {self.resume}; "
+                    "a delivered block must be left out of the metadata"
+                )
+
+    @property
+    def is_final(self) -> bool:
+        """True for the commit that closes a batch: everything below ``end`` delivered."""
+        return self.resume == self.end and not self.blocks
+
+    def block_of(self, table_id: int) -> BlockRange | None:
+        """The block recorded for ``table_id``, if any."""
+        for block in self.blocks:
+            if block.table_id == table_id:
+                return block
+        return None
+
+    @property
+    def min_offset(self) -> int:
+        """The seed's ``M.min``: the smallest offset this metadata still needs."""
+        return min([self.resume, *(b.first for b in self.blocks)])
+
+
+_B85_ALPHABET: Final = np.frombuffer(
+    b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz!#$%&()*+-;<=>?@^_`{|}~",
+    dtype=np.uint8,
+)
+_B85_VALUES: Final = np.full(256, 255, dtype=np.uint8)
+_B85_VALUES[_B85_ALPHABET] = np.arange(85, dtype=np.uint8)
+_POWERS_OF_85: Final = np.array([85**4, 85**3, 85**2, 85, 1], dtype=np.uint64)
+_VARINT_LIMITS: Final = np.array([1 << (7 * k) for k in range(1, 9)], dtype=np.uint64)
+
+
+def _b85encode(data: bytes) -> str:
+    """``base64.b85encode(data).decode()``, column-wise: same output, ~20x faster."""
+    padding = -len(data) % 4
+    words = np.frombuffer(data + b"\0" * padding, dtype=">u4").astype(np.uint64)
+    digits = (words[:, None] // _POWERS_OF_85) % 85
+    text = _B85_ALPHABET[digits.astype(np.intp)].tobytes()
+    return text[: len(text) - padding].decode("ascii")
+
+
+def _b85decode(text: str) -> bytes:
+    """``base64.b85decode(text)``, column-wise; raises :class:`MetadataDecodeError`."""
+    try:
+        raw = text.encode("ascii")
+    except UnicodeEncodeError as exc:
+        raise MetadataDecodeError("metadata body is not ASCII base85") from exc
+    padding = -len(raw) % 5
+    values = _B85_VALUES[np.frombuffer(raw + b"~" * padding, dtype=np.uint8)]
+    if (values == 255).any():
+        raise MetadataDecodeError("bad base85 character in the metadata body")
+    words = values.reshape(-1, 5).astype(np.uint64) @ _POWERS_OF_85
+    if (words > 0xFFFFFFFF).any():
+        raise MetadataDecodeError("base85 overflow in the metadata body")
+    data = words.astype(">u4").tobytes()
+    return data[: len(data) - padding]
+
+
+def _pack_varints(values: list[int]) -> bytes:
+    """Unsigned LEB128 of every value (each below 2**63), concatenated."""
+    if not values:
+        return b""
+    numbers = np.array(values, dtype=np.uint64)
+    lengths = 1 + (numbers[:, None] >= _VARINT_LIMITS).sum(axis=1)
+    starts = np.cumsum(lengths) - lengths
+    out = np.empty(int(lengths.sum()), dtype=np.uint8)
+    for k in range(int(lengths.max())):
+        has = lengths > k
+        group = (numbers[has] >> np.uint64(7 * k)) & np.uint64(0x7F)
+        more = (lengths[has] > k + 1).astype(np.uint64) << np.uint64(7)
+        out[starts[has] + k] = (group | more).astype(np.uint8)
+    return out.tobytes()
+
+
+def _unpack_varints(data: bytes) -> list[int]:
+    """The values of concatenated unsigned LEB128 varints of at most 63 bits."""
+    if not data:
+        return []
+    raw = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(raw < 0x80)
+    if ends.size == 0 or ends[-1] != raw.size - 1:
+        raise MetadataDecodeError("truncated varint in the block list")
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    if int(lengths.max()) > 9:
+        raise MetadataDecodeError("varint longer than 63 bits in the block list")
+    shifts = (np.arange(raw.size) - np.repeat(starts, lengths)).astype(np.uint64) * np.uint64(7)
+    parts = (raw & 0x7F).astype(np.uint64) << shifts
+    values: list[int] = np.add.reduceat(parts, starts).tolist()
+    return values
+
+
+def _pack_bits(values: list[int]) -> tuple[bytes, list[int]]:
+    """The block list's fixed-width layout: ``values`` (three per block) as bit fields,
+    each of the three columns as wide as its largest value, row after row, MSB first,
+    zero-padded to whole bytes; returns the bytes and ``[blocks, w1, w2, w3]``."""
+    numbers = np.array(values, dtype=np.uint64).reshape(-1, 3)
+    widths = [int(column.max()).bit_length() if column.size else 0 for column in numbers.T]
+    columns = [
+        (numbers[:, [i]] >> np.arange(w - 1, -1, -1, dtype=np.uint64)) & np.uint64(1)
+        for i, w in enumerate(widths)
+    ]
+    bits = np.concatenate(columns, axis=1).astype(np.uint8).reshape(-1)
+    return np.packbits(bits).tobytes(), [numbers.shape[0], *widths]
+
+
+def _unpack_bits(data: bytes, widths: object) -> list[int]:
+    """The values of :func:`_pack_bits`' layout; refuses anything it would not write."""
+    if (
+        not isinstance(widths, list)
+        or len(widths) != 4
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in widths)
+        or widths[0] < 0
+        or not all(0 <= w <= 63 for w in widths[1:])
+    ):
+        raise MetadataDecodeError(f"bad bit widths in the block list: {widths!r:.80}")
+    count, *column_widths = widths
+    row = sum(column_widths)
+    total = count * row
+    if len(data) != (total + 7) // 8:
+        raise MetadataDecodeError(
+            f"block list of {len(data)} bytes does not hold {count} blocks of {row} bits"
+        )
+    bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8))
+    if bits[total:].any():
+        raise MetadataDecodeError("non-zero padding in the block list")
+    matrix = bits[:total].reshape(count, row).astype(np.uint64)
+    columns = []
+    left = 0
+    for w in column_widths:
+        weights = np.uint64(1) << np.arange(w - 1, -1, -1, dtype=np.uint64)
+        columns.append(matrix[:, left : left + w] @ weights)
+        left += w
+    values: list[int] = np.stack(columns, axis=1).reshape(-1).tolist()
+    return values
+
+
+def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    """Encode ``metadata`` as the string committed with the offset.
+
+    Raises :class:`MetadataTooLarge` (naming ``offset.metadata.max.bytes``) when the
+    result is longer than ``max_bytes``, so the caller fails before inserting.
+    """
+    fields: list[int] = []
+    previous = 0
+    for block in metadata.blocks:
+        if block.table_id > _MAX_OFFSET:
+            raise MetadataError(f"table id must be below 2**63, got {block.table_id}")
+        fields += (
+            block.table_id - previous,
+            block.first - metadata.start,
+            metadata.end - 1 - block.last,
+        )
+        previous = block.table_id
+    header = [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume]
+    pins = metadata.pins
+    tail: list[object] = []
+    if pins != NO_PINS:
+        tail = [[pins.registry, pins.incarnation, int(pins.dedup)]]
+    varints = msgpack.packb([*header, _pack_varints(fields), *([None] if tail else []), *tail],
+                            use_bin_type=True)
+    packed, widths = _pack_bits(fields)
+    bits = msgpack.packb([*header, packed, widths, *tail], use_bin_type=True)
+    prefix = PREFIX_PINNED if tail else PREFIX
+    text = prefix + _b85encode(bits if len(bits) < len(varints) else varints)
+    if len(text) > max_bytes:
+        raise MetadataTooLarge(
+            f"metadata for {len(metadata.blocks)} tables encodes to {len(text)} bytes, over "
+            f"the limit of {max_bytes} (the broker's offset.metadata.max.bytes). Raise "
+            "offset.metadata.max.bytes on the brokers and the matching setting here, or "
+            "lower the per-partition batch size (maxOffsetsPerTrigger) so offsets stay small."
+        )
+    return text
+
+
+def decode(text: str) -> Metadata:
+    """Decode a committed metadata string; raises :class:`MetadataDecodeError`.
+
+    Trailing NUL characters, which some clients append, are ignored.
+    """
+    text = text.rstrip("\x00")
+    if not text.startswith(PREFIXES):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise MetadataDecodeError(
+            f"not blockagg metadata (expected prefix {PREFIX!r} or {PREFIX_PINNED!r}): "
+            f"{shown!r}")
+    pinned = text.startswith(PREFIX_PINNED)
+    try:
+        body = _b85decode(text[len(PREFIX):])
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise MetadataDecodeError(f"corrupt metadata body: {exc}") from exc
+    pins = NO_PINS
+    if pinned:
+        if not isinstance(fields, list) or len(fields) != 8:
+            raise MetadataDecodeError(
+                f"expected 8 fields in a {PREFIX_PINNED!r} metadata body, got {fields!r:.80}")
+        pins = _decode_pins(fields.pop())
+        if fields[6] is None:
+            fields.pop()
+    if not isinstance(fields, list) or len(fields) not in (6, 7):
+        raise MetadataDecodeError(
+            f"expected 6 or 7 fields in the metadata body, got {fields!r:.80}"
+        )
+    run, batch, start, end, resume, packed = fields[:6]
+    if not all(isinstance(v, int) for v in (run, batch, start, end, resume)):
+        raise MetadataDecodeError("metadata header fields must be integers")
+    if not isinstance(packed, bytes):
+        raise MetadataDecodeError("metadata block list must be bytes")
+    values = _unpack_varints(packed) if len(fields) == 6 else _unpack_bits(packed, fields[6])
+    if len(values) % 3:
+        raise MetadataDecodeError("truncated varint in the block list")
+    deltas = values[0::3]
+    if 0 in deltas[1:]:
+        raise MetadataDecodeError("table ids in the block list must be increasing")
+    end_1 = end - 1
+    try:
+        blocks = [
+            BlockRange(table_id, start + first_rel, end_1 - tail)
+            for table_id, first_rel, tail in zip(
+                accumulate(deltas), values[1::3], values[2::3], strict=True
+            )
+        ]
+        return Metadata(run, batch, start, end, resume, tuple(blocks), pins)
+    except MetadataDecodeError:
+        raise
+    except MetadataError as exc:
+        raise MetadataDecodeError(f"metadata violates the contract: {exc}") from exc
+
+
+def _decode_pins(raw: object) -> Pins:
+    if (
+        not isinstance(raw, list)
+        or len(raw) != 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw)
+    ):
+        raise MetadataDecodeError(f"bad pins in the metadata body: {raw!r:.80}")
+    try:
+        return Pins(*raw)
+    except MetadataError as exc:
+        raise MetadataDecodeError(f"bad pins in the metadata body: {exc}") from exc

@@ -1,0 +1,156 @@
+"""The data the core works on, and the two interfaces its operations run against.
+
+A :class:`Batch` is one topic-partition's share of one micro-batch, already split
+into messages (the envelope is decoded before the core sees it). It is columnar:
+one numpy array per attribute, one element per Kafka message, in offset order.
+A :class:`Block` is what the core decides to insert: every message of one table
+in ``[first, last]`` of one partition, identified by positions into the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from blockagg.aggregator.core.metadata import NO_PINS, Pins
+from blockagg.aggregator.exceptions import ConfigError
+
+Int64Array = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """One partition's messages of one micro-batch, planned as ``[start, end)``.
+
+    ``end`` is the planned end of the range (Spark's until offset), not the last
+    message + 1: the range may end, or have holes, in offsets that carry no visible
+    message (transaction markers, aborted or compacted records).
+
+    Per message ``i`` (arrays of equal length, ``offsets`` strictly increasing and
+    inside ``[start, end)``): ``table_ids[i]`` is the table's stable id (0 is the
+    dead-letter table), ``row_counts[i]`` the number of rows it carries and
+    ``sizes[i]`` its encoded size in bytes. ``payloads[i]`` is opaque to the core
+    and handed to the sink (``aggregator.clickhouse.prepare.prepare`` makes it: a
+    decoded ``Rows`` slice, or a ``DeadLetter`` for table id 0). ``tables`` maps
+    every table id present to its ``database.table`` name. ``partition_end`` is the
+    partition's log-end offset when known; it lets the core notice metadata that is
+    ahead of the partition. ``pins`` are what the batch was prepared under besides
+    its messages (registry position, topic incarnation, deduplication mode): a batch
+    that replays an intent must carry that intent's pins (see
+    :func:`aggregator.core.protocol.batch_pins`).
+    """
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+    offsets: Int64Array
+    table_ids: Int64Array
+    row_counts: Int64Array
+    sizes: Int64Array
+    payloads: Sequence[object]
+    tables: Mapping[int, str]
+    partition_end: int | None = None
+    pins: Pins = NO_PINS
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """A sealed block: the messages of one table in ``[first, last]``, in order.
+
+    ``positions`` index the batch's arrays. ``token`` is the deduplication token, a
+    pure function of (topic incarnation, topic, partition, table, first, last), so a
+    retried block carries the same one. ``replay`` is True when the block is rebuilt from the
+    committed metadata rather than newly formed.
+    """
+
+    topic: str
+    partition: int
+    table_id: int
+    table: str
+    first: int
+    last: int
+    positions: Int64Array
+    rows: int
+    size: int
+    token: str
+    replay: bool = False
+
+    @property
+    def messages(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def block_token(topic: str, partition: int, table: str, first: int, last: int,
+                incarnation: int = 0) -> str:
+    """The block's ``insert_deduplication_token``: readable, and a pure function of
+    the block's coordinates, so every retry of the block sends the same token.
+
+    With the topic's incarnation (:func:`aggregator.core.metadata.incarnation_of`,
+    pinned in the metadata) the token differs between a topic and its recreation, or
+    the same topic name on two clusters; ``0`` (metadata written before pins existed)
+    gives the earlier format, so an intent committed by an earlier version replays
+    with the token its first attempt sent."""
+    if incarnation:
+        return f"blockagg:{incarnation:016x}:{topic}:{partition}:{table}:{first}-{last}"
+    return f"blockagg:{topic}:{partition}:{table}:{first}-{last}"
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """What the group has committed for one partition: the offset and its metadata."""
+
+    offset: int
+    metadata: str = field(default="")
+
+
+class MetadataStore(Protocol):
+    """Where metadata is committed: the consumer group's offset commits in Kafka.
+
+    ``commit`` returns only once the broker has durably accepted the commit, and
+    raises otherwise; a commit that raised may or may not have been applied.
+    """
+
+    def committed(self, topic: str, partition: int) -> Committed | None: ...
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None: ...
+
+
+class BlockSink(Protocol):
+    """Where blocks go: ClickHouse, one insert per block.
+
+    ``insert`` returns only once the block is acknowledged (with the configured
+    quorum). Inserting a block that was inserted before is a no-op on the server
+    (block deduplication), which is what makes retries safe.
+    """
+
+    def insert(self, block: Block, batch: Batch) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """When a table's buffer seals into a block, and how large a commit may be.
+
+    A buffer seals when adding a message makes it reach ``max_rows`` rows or
+    ``max_bytes`` bytes. Only message content counts, never time, so a retry of the
+    same messages seals at the same places. ``max_metadata_bytes`` is the broker's
+    ``offset.metadata.max.bytes``.
+    """
+
+    max_rows: int
+    max_bytes: int
+    max_metadata_bytes: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1 or self.max_bytes < 1:
+            raise ConfigError(
+                f"block thresholds must be >= 1, got max_rows={self.max_rows} "
+                f"max_bytes={self.max_bytes}"
+            )

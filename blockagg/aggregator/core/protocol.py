@@ -1,0 +1,436 @@
+"""The REPLAY -> CONSUME protocol for one topic-partition and one micro-batch.
+
+The protocol is pure: :func:`plan_batch` turns the batch, the last commit of the
+partition, the thresholds and the writer's ids into a :class:`Plan`, an ordered list
+of small frozen operations (:class:`CommitMetadata`, :class:`InsertBlock`) plus the
+figures of the batch. Iterating a plan yields its operations; :func:`run_batch` is
+the thin runner that executes them against a :class:`MetadataStore` (Kafka) and a
+:class:`BlockSink` (ClickHouse). ``docs/protocol.md`` states the rules and why they
+hold; in short:
+
+* **Refuse, never guess**: every refusal (gap, metadata ahead of the partition, batch
+  ending inside a replay block, replay block missing, contract violation, metadata
+  too large) is decided while planning, so a refused batch commits and inserts
+  nothing.
+* **Intent before flush**: each seal event commits metadata describing its blocks,
+  with a resume offset at or below every block not yet acknowledged and every
+  buffered message, *before* any of those blocks is inserted.
+* **Deterministic blocks**: blocks are a pure function of the batch, the committed
+  metadata and the thresholds, so a retry rebuilds the blocks of the committed
+  metadata identically (same rows, order and deduplication token).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from blockagg.aggregator.core.blocks import REPLAY_EVENT, Formation, form_blocks
+from blockagg.aggregator.core.exceptions import (
+    BatchEndsInsideReplayBlock,
+    MetadataAheadOfPartition,
+    MetadataContractViolation,
+    OffsetGap,
+    PinsMismatch,
+    TopicIncarnationChanged,
+)
+from blockagg.aggregator.core.metadata import (
+    BlockRange,
+    Metadata,
+    Pins,
+    decode,
+    encode,
+    is_blockagg,
+)
+from blockagg.aggregator.core.model import (
+    Batch,
+    Block,
+    BlockSink,
+    Committed,
+    MetadataStore,
+    Thresholds,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitMetadata:
+    """Commit ``offset`` (the resume offset) with ``text`` (``metadata`` encoded)."""
+
+    topic: str
+    partition: int
+    offset: int
+    metadata: Metadata
+    text: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class InsertBlock:
+    """Insert ``block``; only ever yielded after a commit that lists it."""
+
+    block: Block
+
+
+Operation = CommitMetadata | InsertBlock
+
+
+@dataclass(frozen=True, slots=True)
+class Resumption:
+    """Where the partition resumes, read from its last commit.
+
+    ``resume`` is the resume offset (``None``: nothing committed yet), ``blocks`` the
+    blocks to rebuild, ``foreign`` the warning when the last commit is not ours.
+    ``metadata`` is the last commit's metadata when it is ours and in force.
+    """
+
+    resume: int | None
+    blocks: tuple[BlockRange, ...] = ()
+    foreign: str | None = None
+    metadata: Metadata | None = None
+
+
+def read_committed(committed: Committed | None) -> Resumption:
+    """Interpret the partition's last commit.
+
+    A commit without our prefix (``kafka-consumer-groups.sh --reset-offsets``, another
+    tool) is the operator's acknowledgement: resume from its offset, with no blocks,
+    and warn. Ours resumes at its resume offset and rebuilds its blocks. Ours with a
+    committed offset that differs from its resume offset was moved by someone else:
+    treated as foreign too. Corrupt metadata with our prefix raises
+    :class:`MetadataDecodeError`.
+    """
+    if committed is None:
+        return Resumption(resume=None)
+    text = committed.metadata.rstrip("\x00")
+    if not is_blockagg(text):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        return Resumption(
+            resume=committed.offset,
+            foreign=(
+                f"the last commit (offset {committed.offset}, metadata {shown!r}) was not "
+                "written by blockagg, e.g. kafka-consumer-groups.sh --reset-offsets: "
+                f"resuming from offset {committed.offset} with no blocks to replay; "
+                "messages between the previous blockagg commit and this offset are "
+                "skipped or consumed again as the operator chose"
+            ),
+        )
+    metadata = decode(text)
+    if committed.offset != metadata.resume:
+        return Resumption(
+            resume=committed.offset,
+            foreign=(
+                f"the committed offset {committed.offset} differs from the resume offset "
+                f"{metadata.resume} of the committed metadata (run {metadata.run}, batch "
+                f"{metadata.batch}): the offset was moved outside blockagg; resuming from "
+                f"{committed.offset} with no blocks to replay"
+            ),
+        )
+    return Resumption(resume=metadata.resume, blocks=metadata.blocks, metadata=metadata)
+
+
+def batch_pins(topic: str, partition: int, committed: Committed | None, current: Pins) -> Pins:
+    """The pins a batch must be prepared under, given the partition's last commit and
+    what is ``current`` now (the registry's position, the topic's incarnation, the
+    server's deduplication mode).
+
+    A replay uses exactly what its first attempt used (invariant 5): after an intent,
+    its registry position and deduplication mode (where it recorded them) and its
+    incarnation (``0`` for an intent written before pins existed, which keeps its
+    blocks' earlier token format). After a final commit, a foreign one or none, the
+    current pins: no block of the batch can have landed yet. Raises
+    :class:`TopicIncarnationChanged` when the last commit names another incarnation
+    of the topic than ``current``.
+    """
+    return _pins_for(f"{topic}[{partition}]", read_committed(committed), current)
+
+
+def _pins_for(where: str, resumption: Resumption, current: Pins) -> Pins:
+    metadata = resumption.metadata
+    if metadata is None:
+        return current
+    pinned = metadata.pins
+    if pinned.incarnation and current.incarnation and pinned.incarnation != current.incarnation:
+        lost = ""
+        if metadata.blocks:
+            listed = ", ".join(f"table {b.table_id} [{b.first}, {b.last}]"
+                               for b in metadata.blocks)
+            lost = (f" The last commit is an intent listing blocks ({listed}) of the old "
+                    "topic that may not all be in ClickHouse; their messages went with it.")
+        raise TopicIncarnationChanged(
+            f"{where}: the last commit (run {metadata.run}, batch {metadata.batch}, resume "
+            f"{metadata.resume}) was written for another incarnation of the topic (fingerprint "
+            f"{pinned.incarnation:016x}, now {current.incarnation:016x}): the topic was "
+            "deleted and recreated, or this is another Kafka cluster's topic of the same "
+            "name, so its offsets do not apply. Nothing was committed or inserted. If that "
+            "is intended, reset the metadata group's offsets of this topic to its earliest "
+            "offset (kafka-consumer-groups.sh --group <metadata group> --topic <topic> "
+            "--reset-offsets --to-earliest --execute) and restart: every message of the "
+            "new topic is then delivered, under new deduplication tokens." + lost
+        )
+    if not metadata.blocks:
+        return current
+    return Pins(
+        registry=pinned.registry or current.registry,
+        incarnation=pinned.incarnation,
+        dedup=pinned.dedup or current.dedup,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Everything the protocol will do for one batch, decided before doing any of it.
+
+    ``operations`` alternate intents and inserts and end with the final commit;
+    empty when ``skipped`` (the whole batch is below the resume offset).
+    """
+
+    batch: Batch
+    resume: int
+    operations: tuple[Operation, ...]
+    skipped: bool = False
+    delivered_messages: int = 0
+    warning: str | None = None
+    blocks: tuple[Block, ...] = field(default=())
+
+    def __iter__(self) -> Iterator[Operation]:
+        yield from self.operations
+
+    @property
+    def replayed_blocks(self) -> int:
+        return sum(1 for block in self.blocks if block.replay)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReport:
+    """Figures of one executed batch, for the driver's per-batch report and metrics."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+    resume: int
+    skipped: bool
+    blocks: int
+    replayed_blocks: int
+    rows: int
+    bytes: int
+    messages: int
+    delivered_messages: int
+    commits: int
+    warning: str | None = None
+
+
+def _where(batch: Batch) -> str:
+    return f"{batch.topic}[{batch.partition}] batch [{batch.start}, {batch.end})"
+
+
+def _refusals(batch: Batch, resume: int, blocks: tuple[BlockRange, ...]) -> None:
+    where = _where(batch)
+    if batch.start > resume:
+        raise OffsetGap(
+            f"{where} starts after the resume offset {resume}: messages "
+            f"[{resume}, {batch.start}) would be lost. Start the query from the committed "
+            "offsets (a lost Spark checkpoint must restart from the consumer group's "
+            "committed offsets), or acknowledge the loss with kafka-consumer-groups.sh "
+            f"--reset-offsets --to-offset {batch.start}."
+        )
+    if batch.partition_end is not None and resume > batch.partition_end:
+        raise MetadataAheadOfPartition(
+            f"{where}: the resume offset {resume} is beyond the partition's end "
+            f"{batch.partition_end}: the topic was recreated or its offsets reset since "
+            "the metadata was committed. Reset the group's offset to the data you want "
+            "(kafka-consumer-groups.sh --reset-offsets --to-earliest) and restart."
+        )
+    if batch.end <= resume:
+        return
+    for block in blocks:
+        if block.last >= batch.end:
+            raise BatchEndsInsideReplayBlock(
+                f"{where} ends inside the committed block [{block.first}, {block.last}] of "
+                f"table id {block.table_id}, which can't be rebuilt identically from part "
+                f"of its messages. Raise maxOffsetsPerTrigger (the batch must reach offset "
+                f"{block.last + 1}) and restart."
+            )
+        if block.first < resume:
+            raise MetadataContractViolation(
+                f"{where}: the committed block [{block.first}, {block.last}] of table id "
+                f"{block.table_id} starts below the resume offset {resume}, which blockagg "
+                "never commits (docs/metadata.md, invariant 5). Find out who wrote it; to "
+                "go on, reset the group's offset with kafka-consumer-groups.sh."
+            )
+
+
+def _intent_resume(
+    floor: int, latest: dict[int, Block]
+) -> tuple[int, list[BlockRange]]:
+    """The resume offset of an intent and the blocks it lists.
+
+    Starting from ``floor`` (the first offset of every block not acknowledged and of
+    every buffered or unrouted message), lower the resume offset to the first offset
+    of every listed block, until stable: the listed blocks are each table's most
+    recent block that ends at or after the resume offset, and they all start at or
+    after it (invariant 5), so a retry from the resume offset can rebuild them.
+    """
+    resume = floor
+    while True:
+        listed = [block for block in latest.values() if block.last >= resume]
+        lowest = min((block.first for block in listed), default=resume)
+        if lowest >= resume:
+            return resume, [BlockRange(b.table_id, b.first, b.last) for b in listed]
+        resume = lowest
+
+
+def _operations(
+    batch: Batch,
+    resume: int,
+    formation: Formation,
+    thresholds: Thresholds,
+    run: int,
+    batch_id: int,
+) -> list[Operation]:
+    n = len(batch)
+    blocks = formation.blocks
+    sealed_at = formation.sealed_at
+    opening = sorted(
+        (int(block.positions[0]), index)
+        for index, block in enumerate(blocks)
+        if sealed_at[index] != REPLAY_EVENT
+    )
+    open_heap: list[tuple[int, int]] = []
+    next_open = 0
+    latest: dict[int, Block] = {}
+    operations: list[Operation] = []
+
+    def commit(offset: int, listed: list[BlockRange]) -> None:
+        metadata = Metadata(run, batch_id, batch.start, batch.end, offset, tuple(listed),
+                            batch.pins)
+        text = encode(metadata, thresholds.max_metadata_bytes)
+        operations.append(CommitMetadata(batch.topic, batch.partition, offset, metadata, text))
+
+    index = 0
+    while index < len(blocks):
+        event = sealed_at[index]
+        stop = index
+        while stop < len(blocks) and sealed_at[stop] == event:
+            stop += 1
+        sealed = blocks[index:stop]
+        if event == REPLAY_EVENT:
+            routed = resume
+        elif event >= n:
+            routed = batch.end
+        else:
+            routed = int(batch.offsets[event]) + 1
+            while next_open < len(opening) and opening[next_open][0] <= event:
+                opened = blocks[opening[next_open][1]]
+                heapq.heappush(open_heap, (opened.first, sealed_at[opening[next_open][1]]))
+                next_open += 1
+            while open_heap and open_heap[0][1] <= event:
+                heapq.heappop(open_heap)
+        floor = min(routed, *(block.first for block in sealed))
+        if open_heap and event != REPLAY_EVENT and event < n:
+            floor = min(floor, open_heap[0][0])
+        for block in sealed:
+            latest[block.table_id] = block
+        offset, listed = _intent_resume(floor, latest)
+        commit(offset, listed)
+        operations.extend(InsertBlock(block) for block in sorted(sealed, key=lambda b: b.first))
+        index = stop
+    commit(batch.end, [])
+    return operations
+
+
+def plan_batch(
+    batch: Batch,
+    committed: Committed | None,
+    thresholds: Thresholds,
+    run: int,
+    batch_id: int,
+) -> Plan:
+    """Decide everything the protocol does for ``batch``, or refuse it.
+
+    Raises a :class:`BatchRefused` subclass, :class:`MetadataDecodeError` or
+    :class:`MetadataTooLarge` before any operation exists, so a refused batch leaves
+    Kafka and ClickHouse untouched.
+    """
+    resumption = read_committed(committed)
+    expected = _pins_for(f"{batch.topic}[{batch.partition}]", resumption, batch.pins)
+    if expected != batch.pins:
+        raise PinsMismatch(
+            f"{batch.topic}[{batch.partition}]: the batch was prepared under {batch.pins} "
+            f"but the intent it replays pinned {expected}; prepare it with batch_pins() so "
+            "the replay decides every message as its first attempt did"
+        )
+    resume = batch.start if resumption.resume is None else resumption.resume
+    _refusals(batch, resume, resumption.blocks)
+    if batch.end <= resume:
+        return Plan(
+            batch=batch,
+            resume=resume,
+            operations=(),
+            skipped=True,
+            delivered_messages=len(batch),
+            warning=resumption.foreign,
+        )
+    replay = {block.table_id: block for block in resumption.blocks}
+    formation = form_blocks(batch, resume, replay, thresholds)
+    operations = _operations(batch, resume, formation, thresholds, run, batch_id)
+    return Plan(
+        batch=batch,
+        resume=resume,
+        operations=tuple(operations),
+        delivered_messages=formation.delivered,
+        warning=resumption.foreign,
+        blocks=formation.blocks,
+    )
+
+
+def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink) -> BatchReport:
+    """Execute the plan's operations in order; any error propagates at once.
+
+    A batch interrupted anywhere is safe to run again from a fresh plan: the next plan
+    reads the last commit that went through and rebuilds its blocks identically.
+    """
+    batch = protocol.batch
+    commits = blocks = replayed = rows = size = messages = 0
+    for operation in protocol:
+        if isinstance(operation, CommitMetadata):
+            store.commit(operation.topic, operation.partition, operation.offset, operation.text)
+            commits += 1
+        else:
+            block = operation.block
+            sink.insert(block, batch)
+            blocks += 1
+            replayed += block.replay
+            rows += block.rows
+            size += block.size
+            messages += block.messages
+    return BatchReport(
+        topic=batch.topic,
+        partition=batch.partition,
+        start=batch.start,
+        end=batch.end,
+        resume=protocol.resume,
+        skipped=protocol.skipped,
+        blocks=blocks,
+        replayed_blocks=replayed,
+        rows=rows,
+        bytes=size,
+        messages=messages,
+        delivered_messages=protocol.delivered_messages,
+        commits=commits,
+        warning=protocol.warning,
+    )
+
+
+def process_batch(
+    batch: Batch,
+    store: MetadataStore,
+    sink: BlockSink,
+    thresholds: Thresholds,
+    run: int,
+    batch_id: int,
+) -> BatchReport:
+    """Read the partition's last commit, plan the batch and run it: the whole protocol
+    for one partition of one micro-batch."""
+    committed = store.committed(batch.topic, batch.partition)
+    return run_batch(plan_batch(batch, committed, thresholds, run, batch_id), store, sink)

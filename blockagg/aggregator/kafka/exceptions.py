@@ -1,0 +1,22 @@
+"""Errors of the Kafka adapters: a commit or a read of committed offsets that failed
+for good (after retrying the retriable errors), with what to change."""
+
+from blockagg.aggregator.core.exceptions import MetadataTooLarge
+from blockagg.aggregator.exceptions import BlockaggError
+
+
+class KafkaAdapterError(BlockaggError):
+    """Base of the Kafka adapters' errors."""
+
+
+class MetadataCommitError(KafkaAdapterError):
+    """The broker refused the offset commit, or kept failing until retries ran out.
+    The commit may or may not have been applied: run the batch again."""
+
+
+class CommittedReadError(KafkaAdapterError):
+    """The committed offset and metadata of a partition could not be read."""
+
+
+class OffsetMetadataTooLarge(MetadataCommitError, MetadataTooLarge):
+    """The broker rejected the metadata as longer than its ``offset.metadata.max.bytes``."""

@@ -1,0 +1,179 @@
+"""The Kafka :class:`~aggregator.core.model.MetadataStore`: the metadata group's
+offset commits, through confluent-kafka.
+
+The consumer never subscribes and never polls: it is used only for
+``committed()`` and a synchronous ``commit()``, as a "simple consumer" of its own
+group (the ``metadata_group_id``, distinct from the group Spark's source uses), so
+the commit history in ``__consumer_offsets`` is blockagg's alone and the verifier can
+read it. Per-partition errors are checked on every result; retriable errors (the
+coordinator moving or loading, timeouts, transport) are retried with exponential
+backoff, anything else fails at once with the broker's reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Protocol, TypeVar
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from blockagg.aggregator.core.model import Committed
+from blockagg.aggregator.exceptions import ConfigError
+from blockagg.aggregator.kafka.exceptions import (
+    CommittedReadError,
+    MetadataCommitError,
+    OffsetMetadataTooLarge,
+)
+
+RETRIABLE_CODES: Final = frozenset(
+    {
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError.NOT_COORDINATOR,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._WAIT_COORD,
+    }
+)
+"""Codes retried even when librdkafka does not flag them retriable."""
+
+_NO_OFFSET: Final = 0
+
+R = TypeVar("R")
+
+
+class OffsetsConsumer(Protocol):
+    """The part of ``confluent_kafka.Consumer`` the store uses."""
+
+    def committed(self, partitions: list[Any], timeout: float = ...) -> list[Any]: ...
+
+    def commit(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def _is_retriable(error: KafkaError) -> bool:
+    return bool(error.retriable()) or error.code() in RETRIABLE_CODES
+
+
+def _error_of(exc: BaseException) -> KafkaError | None:
+    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
+        return exc.args[0]
+    return None
+
+
+class KafkaMetadataStore:
+    """Commits metadata with the consumer-group offset and reads the last commit back.
+
+    ``config`` is passed to the consumer as is (``bootstrap.servers``, ``security.*``,
+    ``sasl.*``, ``ssl.*``...), and must name ``group.id``; ``enable.auto.commit`` is
+    forced off (refused if set on), since only the protocol may commit.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        *,
+        retries: int = 8,
+        backoff: float = 0.1,
+        max_backoff: float = 5.0,
+        timeout: float = 30.0,
+        consumer_factory: Callable[[dict[str, Any]], OffsetsConsumer] = Consumer,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if not config.get("group.id"):
+            raise ConfigError(
+                "the Kafka metadata store needs group.id: the consumer group whose offset "
+                "commits carry blockagg's metadata ([job] metadata_group_id)"
+            )
+        auto_commit = str(config.get("enable.auto.commit", "false")).lower()
+        if auto_commit not in ("false", "0"):
+            raise ConfigError(
+                "enable.auto.commit must be false for the metadata group: only the "
+                "protocol commits, each commit carrying its metadata"
+            )
+        settings = dict(config)
+        settings["enable.auto.commit"] = False
+        self.group_id = str(config["group.id"])
+        self._consumer = consumer_factory(settings)
+        self._retries = retries
+        self._backoff = backoff
+        self._max_backoff = max_backoff
+        self._timeout = timeout
+        self._sleep = sleep
+
+    def _retrying(self, attempt: Callable[[], R]) -> R:
+        delay = self._backoff
+        for tries in range(self._retries + 1):
+            try:
+                return attempt()
+            except KafkaException as exc:
+                error = _error_of(exc)
+                if error is None or not _is_retriable(error) or tries == self._retries:
+                    raise
+                self._sleep(delay)
+                delay = min(delay * 2, self._max_backoff)
+        raise AssertionError("unreachable")
+
+    def committed(self, topic: str, partition: int) -> Committed | None:
+        """The partition's last commit in the group, or ``None`` if there is none."""
+
+        def attempt() -> Committed | None:
+            (result,) = self._consumer.committed(
+                [TopicPartition(topic, partition)], timeout=self._timeout
+            )
+            if result.error is not None:
+                raise KafkaException(result.error)
+            if result.offset < _NO_OFFSET:
+                return None
+            return Committed(offset=int(result.offset), metadata=result.metadata or "")
+
+        try:
+            return self._retrying(attempt)
+        except KafkaException as exc:
+            raise CommittedReadError(
+                f"could not read the committed offset of {topic}[{partition}] in group "
+                f"{self.group_id!r}: {exc}. Check bootstrap.servers, the security settings "
+                "and the group's ACLs (Describe on the group, Describe on the topic)."
+            ) from exc
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+        """Commit ``offset`` with ``metadata``; returns once the broker accepted it."""
+
+        def attempt() -> None:
+            results = self._consumer.commit(
+                offsets=[TopicPartition(topic, partition, offset, metadata=metadata)],
+                asynchronous=False,
+            )
+            for result in results or ():
+                if result.error is not None:
+                    raise KafkaException(result.error)
+
+        try:
+            self._retrying(attempt)
+        except KafkaException as exc:
+            error = _error_of(exc)
+            if error is not None and error.code() == KafkaError.OFFSET_METADATA_TOO_LARGE:
+                raise OffsetMetadataTooLarge(
+                    f"the broker rejected the metadata of {topic}[{partition}] "
+                    f"({len(metadata)} bytes) as larger than its offset.metadata.max.bytes. "
+                    "Raise offset.metadata.max.bytes on the brokers and the matching "
+                    "max_metadata_bytes here, or lower maxOffsetsPerTrigger."
+                ) from exc
+            raise MetadataCommitError(
+                f"could not commit offset {offset} of {topic}[{partition}] in group "
+                f"{self.group_id!r}: {exc}. The commit may or may not have been applied; "
+                "the batch is safe to run again."
+            ) from exc
+
+    def close(self) -> None:
+        """Leave the broker connection; the store is unusable afterwards."""
+        self._consumer.close()
+
+    def __enter__(self) -> KafkaMetadataStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

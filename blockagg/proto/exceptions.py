@@ -1,0 +1,63 @@
+"""Errors of the protobuf side: envelopes, the schema registry, decoding and the
+``ba-schema`` checks. Messages carry the offending value and say what to change."""
+
+from __future__ import annotations
+
+from blockagg.aggregator.exceptions import BlockaggError
+
+
+class ProtoError(BlockaggError):
+    """Base of the protobuf side's errors."""
+
+
+class SchemaError(ProtoError):
+    """A message type or descriptor can't be used for a table (unsupported field
+    type, missing message, unreadable FileDescriptorSet, .proto that won't compile)."""
+
+
+class RegistryError(ProtoError):
+    """The schema registry topic can't be read or written, or holds a registration
+    that contradicts the registry's rules (ids never change, versions only grow)."""
+
+
+class UnknownTable(RegistryError):
+    """No registration for the table."""
+
+
+class UnknownVersion(RegistryError):
+    """The table has no registration with the requested schema version."""
+
+
+class CheckFailed(ProtoError):
+    """A message type does not match the live ClickHouse table; ``mismatches`` lists
+    every difference found, one sentence each."""
+
+    def __init__(self, table: str, mismatches: list[str]) -> None:
+        self.table = table
+        self.mismatches = list(mismatches)
+        lines = "\n".join(f"  - {m}" for m in self.mismatches)
+        super().__init__(f"{table}: {len(self.mismatches)} mismatch(es):\n{lines}")
+
+
+class CompatibilityError(ProtoError):
+    """A compatibility mode or check can't be applied as asked."""
+
+
+class UnknownMode(CompatibilityError):
+    """A compatibility mode name that is not one of :class:`proto.compat.Mode`."""
+
+
+class IncompatibleSchema(CompatibilityError):
+    """A new version breaks the table's compatibility mode; ``differences`` lists
+    every rule broken (:class:`proto.compat.Difference`), one sentence each."""
+
+    def __init__(self, table: str, mode: str, differences: list[str]) -> None:
+        self.table = table
+        self.mode = mode
+        self.differences = list(differences)
+        lines = "\n".join(f"  - {d}" for d in self.differences)
+        super().__init__(
+            f"{table}: the new version is not {mode} compatible ({len(self.differences)} "
+            f"difference(s)):\n{lines}\nfix the message type, change the table's mode with "
+            f"ba-schema compatibility {table} MODE, or override once with "
+            "--force-incompatible")

@@ -1,0 +1,140 @@
+"""What a task needs besides its rows: the metadata store, the shard's block sink and
+the table registry, built once per Python worker process and reused across batches.
+
+:class:`Components` is the seam between the Spark job and the adapters of the other
+packages (``aggregator.kafka`` for the metadata store, ``aggregator.clickhouse`` for
+the writer, ``proto`` for the schema registry). It is pickled into every task, so it
+holds only configuration; the live clients are cached per worker process in
+:data:`_CACHE`. Tests pass their own ``Components`` (e.g. to inject a failure).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.aggregator.core.model import BlockSink, MetadataStore
+from blockagg.aggregator.exceptions import BlockaggError
+
+
+class TableRegistry(Protocol):
+    """Table name -> stable table id (>= 1), ``None`` when the table is not registered.
+    Implementations re-read the registry when asked for an unknown table."""
+
+    def table_id(self, table: str) -> int | None: ...
+
+
+class Components(Protocol):
+    def store(self, config: Config) -> MetadataStore: ...
+
+    def sink(self, config: Config, topic: TopicConfig) -> BlockSink: ...
+
+    def registry(self, config: Config) -> TableRegistry: ...
+
+
+_CACHE: dict[tuple[str, ...], Any] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def cached(key: tuple[str, ...], make: Callable[[], Any]) -> Any:
+    """One instance per worker process per key (Python workers are reused)."""
+    with _CACHE_LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = make()
+        return _CACHE[key]
+
+
+class DefaultComponents:
+    """The production adapters."""
+
+    def store(self, config: Config) -> MetadataStore:
+        def make() -> MetadataStore:
+            from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
+
+            settings: dict[str, Any] = dict(config.kafka.librdkafka_config())
+            settings["group.id"] = config.job.metadata_group_id
+            settings["enable.auto.commit"] = False
+            return KafkaMetadataStore(settings)
+
+        result: MetadataStore = cached(("store", config.job.metadata_group_id,
+                                        config.kafka.bootstrap_servers), make)
+        return result
+
+    def sink(self, config: Config, topic: TopicConfig) -> BlockSink:
+        def make() -> BlockSink:
+            sink: BlockSink = make_writer(config, topic)
+            if config.dead_letters.topic:
+                from blockagg.aggregator.clickhouse.dlq_topic import (
+                    DeadLetterTopic,
+                    DeadLetterTopicSink,
+                )
+
+                sink = DeadLetterTopicSink(
+                    sink, DeadLetterTopic(config.kafka.librdkafka_config(),
+                                          config.dead_letters.topic))
+            return sink
+
+        result: BlockSink = cached(("sink", topic.label, *map(str, topic.replicas)), make)
+        return result
+
+    def registry(self, config: Config) -> TableRegistry:
+        def make() -> TableRegistry:
+            from blockagg.proto.registry import from_config
+
+            registry: TableRegistry = from_config(config)
+            return registry
+
+        result: TableRegistry = cached(("registry", config.schemas.topic), make)
+        return result
+
+
+def make_writer(config: Config, topic: TopicConfig) -> Any:
+    """The ClickHouse writer of ``topic``'s shard (``aggregator.clickhouse.writer``)."""
+    from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+
+    ch = config.clickhouse
+    quorum = topic.insert_quorum if topic.insert_quorum is not None else ch.insert_quorum
+    return ClickHouseBlockWriter(WriterConfig(
+        replicas=tuple(Replica(r.host, r.port) for r in topic.replicas),
+        user=ch.user,
+        password=ch.password.reveal(),
+        insert_quorum=quorum,
+        insert_quorum_timeout_ms=int(ch.insert_quorum_timeout * 1000),
+        max_attempts=ch.retries + 1,
+        backoff_initial_s=ch.retry_backoff,
+        connect_timeout_s=ch.connect_timeout,
+        send_receive_timeout_s=ch.send_receive_timeout,
+        dead_letter_table=config.dead_letters.table,
+        extra_settings=dict(ch.settings),
+    ))
+
+
+def describer(config: Config, topic: TopicConfig) -> Any:
+    """A writer used only to read live table columns (cached per worker)."""
+    return cached(("describer", topic.label, *map(str, topic.replicas)),
+                  lambda: make_writer(config, topic))
+
+
+class StaticRegistry:
+    """A fixed table -> id map (tests, and a registry-less dry run)."""
+
+    def __init__(self, tables: dict[str, int]) -> None:
+        self.tables = dict(tables)
+
+    def table_id(self, table: str) -> int | None:
+        return self.tables.get(table)
+
+
+def load_components(spec: str) -> Components:
+    """``"module:attr"`` -> the Components it names (an instance, or a class/factory
+    called without arguments). The ``BLOCKAGG_COMPONENTS`` environment variable of
+    ``spark/job.py`` uses it: a hook for tests and custom adapters."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        raise BlockaggError(f"BLOCKAGG_COMPONENTS: expected module:attr, got {spec!r}")
+    target = getattr(importlib.import_module(module_name), attr)
+    made = target() if callable(target) else target
+    return made  # type: ignore[no-any-return]

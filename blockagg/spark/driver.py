@@ -1,0 +1,553 @@
+"""The driver: start position, the streaming query, ``foreachBatch``, stop.
+
+One run of the job:
+
+1. **Checks.** Speculation must be off. The metadata group must have no active
+   member; the job joins the lock group ``<group>.lock`` (``spark.lock``) so a second
+   job on the same group and topic is refused.
+2. **Start position.** The metadata group's commits are read for every partition of
+   the subscribed topics. A commit ahead of the partition's end is refused. Spark's
+   ``startingOffsets`` is the resume offset of each committed partition and the
+   configured default for the others; it applies when the checkpoint has no offset
+   log (first run, or the checkpoint was deleted); otherwise Spark resumes from its
+   checkpoint and the protocol checks that start against the commits.
+3. **Recovery.** A commit that still lists blocks (the previous run stopped inside a
+   batch) is completed first by a bounded *batch* read of exactly
+   ``[resume, last block + 1)``, so the blocks are rebuilt identically whatever the
+   streaming query's first batch would have been (``maxOffsetsPerTrigger`` could
+   otherwise cut it inside a block, which the protocol refuses).
+4. **Micro-batches.** ``foreachBatch`` reads the batch's planned ranges from the
+   offset log (``spark.offsets``), runs one task per Kafka partition range
+   (``spark.task.run_arrow_partition`` over Arrow record batches, or
+   ``run_partition`` over rows with ``job.handover = "rows"``), runs ranges that had
+   no visible row on the driver,
+   and folds the reports into metrics and one log line.
+5. **Stop.** SIGTERM/SIGINT stop the query between batches (a batch in progress is
+   finished first, up to ``stop_timeout``); a kill -9 anywhere is safe, the next run
+   replays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import secrets
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from types import FrameType
+from typing import Any
+
+from blockagg.aggregator import logs
+from blockagg.aggregator.clickhouse.deadletter_rate import RateThreshold, RateWindow
+from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
+from blockagg.aggregator.config import Config
+from blockagg.aggregator.core.metadata import decode, is_blockagg
+from blockagg.aggregator.core.model import Committed
+from blockagg.aggregator.exceptions import ConfigError
+from blockagg.spark.components import Components, DefaultComponents
+from blockagg.spark.exceptions import JobError
+from blockagg.spark.lock import GroupLock, check_metadata_group_idle
+from blockagg.spark.metrics import JobMetrics
+from blockagg.spark.offsets import (
+    OffsetLog,
+    PlannedRange,
+    TopicPartition,
+    assign_json,
+    list_partitions,
+    make_consumer,
+    offsets_json,
+    read_committed,
+    starting_offsets_json,
+    watermarks,
+)
+from blockagg.spark.task import (
+    REPORT_SCHEMA,
+    TaskContext,
+    run_arrow_partition,
+    run_partition,
+    run_range,
+)
+
+log = logs.get("job")
+
+ROW_COLUMNS = ("topic", "partition", "offset", "value", "timestamp")
+
+
+class GracefulStop(JobError):
+    """Raised at the start of a batch once a stop was requested: the batch is left for
+    the next run (Spark does not commit it), nothing of it is processed."""
+
+
+@dataclass
+class BatchSummary:
+    batch_id: int
+    partitions: int = 0
+    messages: int = 0
+    rows: int = 0
+    bytes: int = 0
+    blocks: int = 0
+    replayed_blocks: int = 0
+    dead_letters: int = 0
+    skipped: int = 0
+    commits: int = 0
+    seconds: float = 0.0
+    max_task_seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+    reasons: Counter[str] = field(default_factory=Counter)
+
+    def add(self, rep: Mapping[str, Any]) -> None:
+        self.partitions += 1
+        self.messages += int(rep["messages"])
+        self.rows += int(rep["rows"])
+        self.bytes += int(rep["bytes"])
+        self.blocks += int(rep["blocks"])
+        self.replayed_blocks += int(rep["replayed_blocks"])
+        self.dead_letters += sum(rep["dead_letters"].values())
+        self.reasons.update(rep["dead_letters"])
+        self.skipped += int(bool(rep["skipped"]))
+        self.commits += int(rep["commits"])
+        self.max_task_seconds = max(self.max_task_seconds, float(rep["seconds"]))
+        if rep.get("warning"):
+            self.warnings.append(f"{rep['topic']}[{rep['partition']}]: {rep['warning']}")
+
+
+def check_speculation(spark: Any) -> None:
+    value = str(spark.sparkContext.getConf().get("spark.speculation", "false")).lower()
+    if value == "true":
+        raise ConfigError(
+            "spark.speculation is true: two attempts of one task would commit and insert "
+            "concurrently. Remove --conf spark.speculation=true (the job needs it off)"
+        )
+
+
+def _progress_dict(progress: Any) -> dict[str, Any] | None:
+    if progress is None:
+        return None
+    if isinstance(progress, dict):
+        return progress
+    text = getattr(progress, "json", None)
+    if text is not None:
+        parsed = json.loads(text() if callable(text) else text)
+        return parsed if isinstance(parsed, dict) else None
+    return None
+
+
+def _offsets_of(value: Any) -> dict[TopicPartition, int]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:  # e.g. "" in the first progress of a query resumed from its
+            return {}       # checkpoint: no offsets known yet
+    out: dict[TopicPartition, int] = {}
+    if isinstance(value, dict):
+        for topic, parts in value.items():
+            if isinstance(parts, dict):
+                for p, o in parts.items():
+                    out[(topic, int(p))] = int(o)
+    return out
+
+
+class Driver:
+    def __init__(
+        self,
+        config: Config,
+        spark: Any,
+        components: Components | None = None,
+        metrics: JobMetrics | None = None,
+        run_id: int | None = None,
+    ) -> None:
+        self.config = config
+        self.spark = spark
+        self.components: Components = components or DefaultComponents()
+        self.metrics = metrics or JobMetrics()
+        self.run_id = run_id if run_id is not None else (
+            config.job.run_id if config.job.run_id is not None else secrets.randbits(64))
+        self.offset_log = OffsetLog(spark, config.job.checkpoint_location)
+        self._state = threading.Lock()
+        self._stop_requested = threading.Event()
+        self._in_batch = False
+        self.lock: GroupLock | None = None
+        self.query: Any = None
+        self.batches: list[BatchSummary] = []
+        self.caught_up = False
+        self.failure: BaseException | None = None
+        dl = config.dead_letters
+        self.dead_letter_rate = RateWindow(RateThreshold(
+            max_rate=dl.max_rate, min_messages=dl.min_messages, window=dl.window,
+            table=dl.table))
+
+    # ------------------------------------------------------------------ startup
+
+    def _owns(self, topic: str) -> bool:
+        return any(t.matches(topic) for t in self.config.topics)
+
+    def _lock_subscription(self) -> list[str]:
+        kind, value = self.config.subscription
+        if kind == "subscribe":
+            return value.split(",")
+        return [f"^(?:{value})$"]
+
+    def acquire_lock(self) -> None:
+        rdk = self.config.kafka.librdkafka_config()
+        check_metadata_group_idle(rdk, self.config.job.metadata_group_id)
+        self.lock = GroupLock(
+            rdk,
+            self.config.job.metadata_group_id,
+            self._lock_subscription(),
+            self._owns,
+            client_id=f"blockagg-lock-{self.config.job.name}-{self.run_id:016x}",
+            session_timeout_ms=round(self.config.job.lock_session_timeout * 1000),
+        )
+        self.lock.acquire(self.config.job.lock_timeout)
+
+    def check_tables(self, partitions: int) -> None:
+        """The writer's startup check on each shard, over the tables the job can route
+        to there: every registered table that exists on the shard (envelopes name
+        any of them; one that doesn't exist gets dead letters), and the dead-letter
+        table.
+
+        The dead-letter table must drop a retried block: refused otherwise. A
+        registered table that would not only gets a warning here, since the shared
+        registry may hold tables no topic of this job carries; the task checks a
+        table again before decoding the first message routed to it
+        (:func:`spark.task.live_columns`) and fails the batch there, before anything
+        of it is committed or inserted."""
+        registry = self.components.registry(self.config)
+        current = getattr(registry, "current", None)
+        if current is None:
+            return
+        from blockagg.aggregator.clickhouse.exceptions import DedupNotConfigured, TableNotFound
+        from blockagg.spark.components import make_writer
+
+        dead_letter_table = self.config.dead_letters.table
+        names = sorted({*current().tables().values(), dead_letter_table})
+        for topic in self.config.topics:
+            writer = make_writer(self.config, topic)
+            try:
+                for table in names:
+                    try:
+                        warnings = writer.check_tables([table], writers=partitions)
+                    except TableNotFound:
+                        continue  # not on this shard; its messages become dead letters
+                    except DedupNotConfigured as exc:
+                        if table == dead_letter_table:
+                            raise
+                        warnings = [f"{exc} (the job stops if a message is routed to it)"]
+                    for warning in warnings:
+                        logs.event(log, "table check", level=30, shard=topic.label,
+                                   warning=warning)
+            finally:
+                writer.close()
+
+    def read_start(self) -> tuple[list[TopicPartition], dict[TopicPartition, Committed],
+                                  dict[TopicPartition, tuple[int, int]]]:
+        consumer = make_consumer(self.config.kafka.librdkafka_config(),
+                                 self.config.job.metadata_group_id)
+        try:
+            partitions = list_partitions(consumer, self._owns)
+            if not partitions:
+                raise JobError(
+                    f"no partition found for the configured topics "
+                    f"({', '.join(t.label for t in self.config.topics)}): create them first"
+                )
+            committed = read_committed(consumer, partitions)
+            marks = watermarks(consumer, partitions)
+        finally:
+            consumer.close()
+        for tp, commit in committed.items():
+            _low, high = marks[tp]
+            if commit.offset > high:
+                raise JobError(
+                    f"{tp[0]}[{tp[1]}]: the committed resume offset {commit.offset} of group "
+                    f"{self.config.job.metadata_group_id} is beyond the partition's end {high}: "
+                    "the topic was recreated or its offsets reset. Reset the group "
+                    "(kafka-consumer-groups.sh --reset-offsets --to-earliest) and restart"
+                )
+        return partitions, committed, marks
+
+    def recovery_ranges(self, committed: Mapping[TopicPartition, Committed]) -> tuple[
+            dict[TopicPartition, PlannedRange], int]:
+        """Ranges ``[resume, last block + 1)`` of commits that still list blocks."""
+        ranges: dict[TopicPartition, PlannedRange] = {}
+        batch_id = 0
+        for tp, commit in committed.items():
+            text = commit.metadata.rstrip("\x00")
+            if not is_blockagg(text):
+                continue
+            metadata = decode(text)
+            if metadata.resume != commit.offset or not metadata.blocks:
+                continue
+            end = max(b.last for b in metadata.blocks) + 1
+            ranges[tp] = PlannedRange(tp[0], tp[1], metadata.resume, end)
+            batch_id = max(batch_id, metadata.batch)
+        return ranges, batch_id
+
+    def _reader_options(self) -> dict[str, str]:
+        options = self.config.kafka.spark_source_options()
+        options.update({k: v if isinstance(v, str) else v.reveal()
+                        for k, v in self.config.source.items()})
+        options["kafka.isolation.level"] = "read_committed"
+        options["failOnDataLoss"] = "true"
+        return options
+
+    def run_ranges(self, df: Any, ranges: dict[TopicPartition, PlannedRange],
+                   batch_id: int) -> BatchSummary:
+        """Run the tasks of one batch over ``df``, then the ranges without rows."""
+        started = time.time()
+        nonempty = {tp: r for tp, r in ranges.items() if not r.empty}
+        ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id)
+        reports: list[dict[str, Any]] = []
+        if nonempty and self.config.job.handover == "arrow":
+            rows = df.select(*ROW_COLUMNS).mapInArrow(
+                partial(run_arrow_partition, ctx), REPORT_SCHEMA).collect()
+            reports = [pickle.loads(row[0]) for row in rows]
+        elif nonempty:
+            reports = (
+                df.select(*ROW_COLUMNS).rdd.mapPartitions(partial(run_partition, ctx)).collect()
+            )
+        done = {(r["topic"], r["partition"]) for r in reports}
+        for tp in sorted(set(nonempty) - done):
+            reports.append(run_range(ctx, tp, [], [], []))
+        summary = BatchSummary(batch_id)
+        for rep in reports:
+            summary.add(rep)
+        summary.seconds = time.time() - started
+        self.metrics.observe_reports(reports)
+        return summary
+
+    def recover(self, committed: Mapping[TopicPartition, Committed]) -> None:
+        ranges, batch_id = self.recovery_ranges(committed)
+        if not ranges:
+            return
+        logs.event(log, "recovery: completing the blocks of an interrupted batch",
+                   partitions=[f"{t}[{p}] [{r.start}, {r.end})" for (t, p), r in
+                               sorted(ranges.items())])
+        reader = self.spark.read.format("kafka")
+        for key, value in self._reader_options().items():
+            if key != "failOnDataLoss":
+                reader = reader.option(key, value)
+        df = (
+            reader.option("assign", assign_json(ranges))
+            .option("startingOffsets", offsets_json({tp: r.start for tp, r in ranges.items()}))
+            .option("endingOffsets", offsets_json({tp: r.end for tp, r in ranges.items()}))
+            .option("failOnDataLoss", "true")
+            .load()
+        )
+        summary = self.run_ranges(df, ranges, batch_id)
+        self._log_batch(summary, "recovery")
+
+    # ------------------------------------------------------------------ batches
+
+    def _planned(self, batch_id: int) -> dict[TopicPartition, PlannedRange]:
+        ranges = self.offset_log.planned_ranges(batch_id)
+        inexact = [tp for tp, r in ranges.items() if not r.exact_start]
+        if inexact:
+            consumer = make_consumer(self.config.kafka.librdkafka_config(),
+                                     self.config.job.metadata_group_id)
+            try:
+                low = {tp: lo for tp, (lo, _) in watermarks(consumer, inexact).items()}
+            finally:
+                consumer.close()
+            ranges = self.offset_log.planned_ranges(batch_id, earliest=low)
+        return ranges
+
+    def on_batch(self, df: Any, batch_id: int) -> None:
+        with self._state:
+            if self._stop_requested.is_set():
+                raise GracefulStop(f"stop requested before batch {batch_id}")
+            self._in_batch = True
+        started = time.time()
+        try:
+            ranges = self._planned(batch_id)
+            summary = self.run_ranges(df, ranges, batch_id)
+        except BaseException as exc:
+            self.metrics.batches.labels("failed").inc()
+            for code in re.findall(r"Code: (\d+)", str(exc))[:1]:
+                self.metrics.clickhouse_errors.labels(code).inc()
+            logs.event(log, "batch failed", level=40, batch=batch_id,
+                       error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+            raise
+        finally:
+            with self._state:
+                self._in_batch = False
+        duration = time.time() - started
+        summary.seconds = duration
+        self.metrics.batches.labels("ok").inc()
+        self.metrics.batch_duration.observe(duration)
+        self.metrics.last_batch_id.set(batch_id)
+        self.metrics.last_batch_timestamp.set(time.time())
+        self.batches.append(summary)
+        self._log_batch(summary, "stream")
+        self.check_dead_letter_rate(summary)
+
+    def check_dead_letter_rate(self, summary: BatchSummary) -> None:
+        """Stop the job when the dead letters of the last ``dead_letters.window``
+        batches are over ``max_rate`` (from ``min_messages`` messages on). The batch
+        is delivered and committed already (its dead letters are in the table, once),
+        so the query is stopped between batches and the job exits 1 with the reason."""
+        try:
+            self.dead_letter_rate.add(summary.dead_letters, summary.messages,
+                                      summary.reasons, label=f"batch {summary.batch_id}")
+        except DeadLetterRateExceeded as exc:
+            logs.event(log, "dead-letter rate exceeded", level=40, batch=summary.batch_id,
+                       error=str(exc))
+            self.failure = exc
+            self.request_stop("dead-letter rate exceeded")
+
+    def _log_batch(self, summary: BatchSummary, kind: str) -> None:
+        for warning in summary.warnings:
+            logs.event(log, "foreign commit", level=30, batch=summary.batch_id,
+                       warning=warning)
+        logs.event(
+            log, "batch", kind=kind, batch=summary.batch_id, run=f"{self.run_id:016x}",
+            partitions=summary.partitions, messages=summary.messages, rows=summary.rows,
+            bytes=summary.bytes, blocks=summary.blocks, replayed_blocks=summary.replayed_blocks,
+            dead_letters=summary.dead_letters, skipped=summary.skipped,
+            commits=summary.commits, seconds=round(summary.seconds, 3),
+            max_task_seconds=round(summary.max_task_seconds, 3),
+        )
+
+    # ------------------------------------------------------------------ query
+
+    def start_query(self, starting: str) -> Any:
+        reader = self.spark.readStream.format("kafka")
+        for key, value in self._reader_options().items():
+            reader = reader.option(key, value)
+        kind, value = self.config.subscription
+        reader = reader.option(kind, value).option("startingOffsets", starting)
+        if self.config.job.max_offsets_per_trigger is not None:
+            reader = reader.option("maxOffsetsPerTrigger",
+                                   str(self.config.job.max_offsets_per_trigger))
+        df = reader.load()
+        interval_ms = max(1, round(self.config.job.trigger_interval * 1000))
+        self.query = (
+            df.writeStream.foreachBatch(self.on_batch)
+            .queryName(re.sub(r"\W", "_", self.config.job.name))
+            .option("checkpointLocation", self.config.job.checkpoint_location)
+            .trigger(processingTime=f"{interval_ms} milliseconds")
+            .start()
+        )
+        return self.query
+
+    def request_stop(self, reason: str = "requested") -> None:
+        if not self._stop_requested.is_set():
+            logs.event(log, "stop requested", reason=reason)
+        self._stop_requested.set()
+
+    def _update_lag(self) -> bool:
+        """Lag gauges from the last progress; True when every partition is caught up."""
+        progress = _progress_dict(self.query.lastProgress) if self.query else None
+        if not progress or not progress.get("sources"):
+            return False
+        source = progress["sources"][0]
+        latest = _offsets_of(source.get("latestOffset"))
+        end = _offsets_of(source.get("endOffset"))
+        if not latest or not end:
+            return False
+        caught_up = True
+        for tp, top in latest.items():
+            lag = max(0, top - end.get(tp, 0))
+            self.metrics.lag.labels(tp[0], str(tp[1])).set(lag)
+            caught_up = caught_up and lag == 0
+        return caught_up
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            name = signal.Signals(signum).name
+            if self.query is None or self._stop_requested.is_set():
+                # Before the query runs nothing needs finishing, and a second signal
+                # means "now": exiting anywhere is safe (the next start replays).
+                logs.event(log, "exiting at once", signal=name)
+                os._exit(128 + signum)
+            self.request_stop(name)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+    def start(self) -> None:
+        """Checks, lock, recovery and query start (no waiting)."""
+        check_speculation(self.spark)
+        self.acquire_lock()
+        partitions, committed, _ = self.read_start()
+        self.check_tables(len(partitions))
+        self.recover(committed)
+        if self.recovery_ranges(committed)[0]:
+            _, committed, _ = self.read_start()
+        resume = {tp: c.offset for tp, c in committed.items()}
+        starting = starting_offsets_json(partitions, resume, self.config.job.starting_offsets)
+        from_checkpoint = self.offset_log.has_offsets()
+        logs.event(
+            log, "starting query", run=f"{self.run_id:016x}",
+            checkpoint=self.config.job.checkpoint_location,
+            start="checkpoint" if from_checkpoint else "committed metadata",
+            partitions=len(partitions), committed=len(committed),
+            default=self.config.job.starting_offsets,
+        )
+        self.start_query(starting)
+
+    def wait(self, until_caught_up: bool = False,
+             should_stop: Callable[[Driver], bool] | None = None) -> int:
+        """Watch the query until it ends or a stop is requested; the exit code."""
+        assert self.query is not None
+        stop_deadline: float | None = None
+        try:
+            while True:
+                if not self.query.isActive:
+                    break
+                self.caught_up = self._update_lag()
+                if until_caught_up and self.caught_up:
+                    self.request_stop("caught up")
+                if should_stop is not None and should_stop(self):
+                    self.request_stop("test")
+                if self._stop_requested.is_set():
+                    if stop_deadline is None:
+                        stop_deadline = time.monotonic() + self.config.job.stop_timeout
+                    with self._state:
+                        busy = self._in_batch
+                    if not busy or time.monotonic() > stop_deadline:
+                        if busy:
+                            logs.event(log, "stop timeout: abandoning the running batch",
+                                       level=30)
+                        self.query.stop()
+                        break
+                try:
+                    self.query.awaitTermination(0.5)
+                except Exception as exc:
+                    # The query ended with an error (awaitTermination raises it): a batch
+                    # that started after a stop request raised GracefulStop, or a real
+                    # failure, told apart below as for query.exception().
+                    if "GracefulStop" not in str(exc):
+                        self.failure = exc
+                    break
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+        error = self.query.exception()
+        if error is not None and "GracefulStop" not in str(error):
+            self.failure = error
+        if self.failure is not None:
+            logs.event(log, "query failed", level=40, error=str(self.failure)[:4000])
+            return 1
+        logs.event(log, "stopped", batches=len(self.batches), run=f"{self.run_id:016x}")
+        return 0
+
+
+def make_spark(config: Config, extra_conf: Mapping[str, str] | None = None,
+               builder: Any = None) -> Any:
+    from pyspark.sql import SparkSession
+
+    b = builder or SparkSession.builder
+    b = b.appName(config.job.name).config("spark.speculation", "false")
+    for key, value in (extra_conf or {}).items():
+        b = b.config(key, value)
+    spark = b.getOrCreate()
+    check_speculation(spark)
+    return spark
+

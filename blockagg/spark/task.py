@@ -1,0 +1,411 @@
+"""The per-partition task: one Kafka partition's rows of one micro-batch -> one
+aggregator run -> one report dict for the driver.
+
+``run_arrow_partition(ctx, batches)`` is the ``mapInArrow`` function (the default
+hand-over, ``job.handover = "arrow"``: columns straight from Arrow, no Python object per
+record) and ``run_partition(ctx, rows)`` the ``rdd.mapPartitions`` one (``"rows"``: a
+pickled ``Row`` per record); both feed :func:`run_range` the same lists. The Kafka source
+gives each Kafka topic-partition range its own Spark partition (``minPartitions`` and
+``maxRecordsPerPartition`` are refused by the configuration), in offset order; the
+task checks both and refuses rows that break them. It builds a :class:`Batch` over
+the planned ``[start, end)`` range (envelope -> table id; unregistered tables and
+malformed envelopes -> the dead-letter table, id 0), reads the partition's last
+commit, runs the core protocol (REPLAY, then CONSUME) with the shard's writer as the
+sink, and returns figures. ``run_range(ctx, tp, [])`` is the same for a planned range
+without a visible row (only transaction markers or aborted records): the driver runs
+it, so the final metadata of that range is still committed.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from blockagg.aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
+from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
+from blockagg.aggregator.core.model import (
+    Batch,
+    Block,
+    BlockSink,
+    Committed,
+    MetadataStore,
+    Thresholds,
+)
+from blockagg.aggregator.core.protocol import process_batch
+from blockagg.proto.envelope import Parsed, Rejected, parse_envelope
+from blockagg.spark.components import Components, TableRegistry, cached, describer
+from blockagg.spark.exceptions import TaskContractError
+from blockagg.spark.offsets import PlannedRange, TopicPartition
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """Everything a task needs, pickled into it by the driver (small)."""
+
+    config: Config
+    components: Components
+    ranges: dict[TopicPartition, PlannedRange]
+    batch_id: int
+    run_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """The payload of one message routed to a table: its envelope, parsed."""
+
+    parsed: Parsed
+    timestamp_ms: int
+
+
+def reason_label(reason: str) -> str:
+    """A low-cardinality label for a dead-letter reason."""
+    low = reason.lower()
+    for needle, label in (
+        ("not registered", "unregistered_table"),
+        ("no value", "no_value"),
+        ("does not decode", "bad_envelope"),
+        ("is not 'database.table'", "bad_table_name"),
+        ("no rows", "no_rows"),
+        ("row", "bad_row"),
+        ("schema", "schema"),
+    ):
+        if needle in low:
+            return label
+    return "other"
+
+
+def build_batch(
+    rng: PlannedRange,
+    offsets: Sequence[int],
+    values: Sequence[bytes | None],
+    timestamps_ms: Sequence[int],
+    registry: TableRegistry,
+    dead_letter_table: str,
+) -> Batch:
+    """The core's columnar :class:`Batch` for one partition's rows (offset order).
+
+    Payloads: :class:`Message` for a message routed to a table, a
+    :class:`~aggregator.clickhouse.deadletters.DeadLetter` (table id 0) for one that
+    can't be: a malformed envelope or an unregistered table. Every decision is a pure
+    function of the message and the registry, so a replay classifies alike.
+    """
+    n = len(offsets)
+    table_ids = np.zeros(n, dtype=np.int64)
+    row_counts = np.ones(n, dtype=np.int64)
+    sizes = np.zeros(n, dtype=np.int64)
+    payloads: list[Message | DeadLetter] = []
+    tables: dict[int, str] = {}
+    for i, (offset, value, ts) in enumerate(zip(offsets, values, timestamps_ms, strict=True)):
+        sizes[i] = len(value) if value is not None else 0
+        result = parse_envelope(value)
+        reason: Rejected | None = None
+        if isinstance(result, Parsed):
+            table_id = registry.table_id(result.table)
+            if table_id is not None:
+                table_ids[i] = table_id
+                row_counts[i] = len(result.rows)
+                tables[table_id] = result.table
+                payloads.append(Message(result, ts))
+                continue
+            reason = Rejected(f"table {result.table} is not registered in the schema registry",
+                              table=result.table)
+        else:
+            reason = result
+        payloads.append(make_dead_letter(rng.topic, rng.partition, offset, ts, value,
+                                         reason.reason, reason.table))
+        tables[DEAD_LETTER_TABLE_ID] = dead_letter_table
+    start = rng.start if rng.exact_start or n == 0 else min(rng.start, offsets[0])
+    return Batch(
+        topic=rng.topic,
+        partition=rng.partition,
+        start=start,
+        end=rng.end,
+        offsets=np.asarray(offsets, dtype=np.int64),
+        table_ids=table_ids,
+        row_counts=row_counts,
+        sizes=sizes,
+        payloads=payloads,
+        tables=tables,
+    )
+
+
+def live_columns(config: Config, topic: TopicConfig, table: str) -> Any:
+    """The live columns of ``table`` on ``topic``'s shard, once the table is known to
+    drop a retried block (``writer.check_tables``): raises
+    :class:`~aggregator.clickhouse.exceptions.DedupNotConfigured` otherwise, which
+    fails the task before anything of the batch is committed or inserted (the
+    driver's startup check only warns about registered tables, since the registry
+    may hold tables this job never receives). ``TableNotFound`` makes the message a
+    dead letter, as before. Called once per table per worker (``Plans`` caches)."""
+    writer = describer(config, topic)
+    writer.check_tables([table])
+    return writer.describe(table).columns
+
+
+def prepare_batch(
+    config: Config,
+    topic: TopicConfig,
+    rng: PlannedRange,
+    offsets: Sequence[int],
+    values: Sequence[bytes | None],
+    timestamps_ms: Sequence[int],
+    registry: Any,
+) -> Batch:
+    """The :class:`Batch` through the data path (``aggregator.clickhouse.prepare``):
+    envelope, registry, vectorised decoding against the live columns, dead letters."""
+    from blockagg.aggregator.clickhouse.prepare import Message as Record
+    from blockagg.aggregator.clickhouse.prepare import Plans, prepare
+
+    plans: Plans = cached(
+        ("plans", topic.label, str(id(registry))),
+        lambda: Plans(registry.current(),
+                      columns=lambda table: live_columns(config, topic, table),
+                      reload=registry.reload),
+    )
+    records = [Record(int(o), int(t), v)
+               for o, v, t in zip(offsets, values, timestamps_ms, strict=True)]
+    prepared = prepare(rng.topic, rng.partition, records, plans, config.dead_letters.table)
+    n = len(offsets)
+    start = rng.start if rng.exact_start or n == 0 else min(rng.start, offsets[0])
+    return Batch(
+        topic=rng.topic, partition=rng.partition, start=start, end=rng.end,
+        offsets=prepared.offsets, table_ids=prepared.table_ids,
+        row_counts=prepared.row_counts, sizes=prepared.sizes,
+        payloads=prepared.payloads, tables=prepared.tables,
+    )
+
+
+def _error_code(exc: BaseException) -> str | None:
+    code = getattr(exc, "code", None)
+    return str(code) if isinstance(code, int) else None
+
+
+class _MeasuredStore:
+    def __init__(self, inner: MetadataStore) -> None:
+        self.inner = inner
+        self.seconds: list[float] = []
+        self.failures = 0
+
+    def committed(self, topic: str, partition: int) -> Committed | None:
+        return self.inner.committed(topic, partition)
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+        start = time.perf_counter()
+        try:
+            self.inner.commit(topic, partition, offset, metadata)
+        except Exception:
+            self.failures += 1
+            raise
+        self.seconds.append(time.perf_counter() - start)
+
+
+class _MeasuredSink:
+    def __init__(self, inner: BlockSink) -> None:
+        self.inner = inner
+        self.seconds: list[tuple[str, float]] = []
+        self.inserted: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self.block_rows: list[int] = []
+        self.errors: dict[str, int] = defaultdict(int)
+
+    def insert(self, block: Block, batch: Batch) -> None:
+        start = time.perf_counter()
+        try:
+            self.inner.insert(block, batch)
+        except Exception as exc:
+            code = _error_code(exc)
+            if code is not None:
+                self.errors[code] += 1
+            raise
+        self.seconds.append((block.table, time.perf_counter() - start))
+        figures = self.inserted[block.table]
+        figures[0] += block.rows
+        figures[1] += block.size
+        figures[2] += 1
+        figures[3] += int(block.replay)
+        self.block_rows.append(block.rows)
+
+
+def run_range(
+    ctx: TaskContext,
+    tp: TopicPartition,
+    offsets: Sequence[int],
+    values: Sequence[bytes | None],
+    timestamps_ms: Sequence[int],
+) -> dict[str, Any]:
+    """Run the protocol over one planned range; return the report dict."""
+    started = time.time()
+    config = ctx.config
+    rng = ctx.ranges.get(tp)
+    if rng is None:
+        raise TaskContractError(
+            f"{tp[0]}[{tp[1]}]: rows arrived for a partition without a planned range in batch "
+            f"{ctx.batch_id}; the offset log and the source disagree"
+        )
+    if offsets and (
+        (rng.exact_start and offsets[0] < rng.start) or offsets[-1] >= rng.end
+    ):
+        raise TaskContractError(
+            f"{tp[0]}[{tp[1]}]: rows [{offsets[0]}, {offsets[-1]}] fall outside the planned "
+            f"range [{rng.start}, {rng.end}) of batch {ctx.batch_id}"
+        )
+    registry = ctx.components.registry(config)
+    topic_config = config.topic_for(tp[0])
+    if hasattr(registry, "reload") and hasattr(registry, "current"):
+        batch = prepare_batch(config, topic_config, rng, offsets, values, timestamps_ms,
+                              registry)
+    else:
+        batch = build_batch(rng, offsets, values, timestamps_ms, registry,
+                            config.dead_letters.table)
+    # The dead-letter rate is judged by the driver over whole batches (a window of
+    # them, from dead_letters.min_messages on), after they are delivered: a partition's
+    # share alone says little (1 bad message of 1 is 100%).
+    store = _MeasuredStore(ctx.components.store(config))
+    sink = _MeasuredSink(ctx.components.sink(config, topic_config))
+    thresholds = Thresholds(config.blocks.max_rows, config.blocks.max_bytes,
+                            config.job.offset_metadata_max_bytes)
+    report = process_batch(batch, store, sink, thresholds, ctx.run_id, ctx.batch_id)
+    consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    dead_letters: dict[str, int] = defaultdict(int)
+    for i, message in enumerate(batch.payloads):
+        name = batch.tables[int(batch.table_ids[i])]
+        consumed[name][0] += int(batch.row_counts[i])
+        consumed[name][1] += int(batch.sizes[i])
+        if isinstance(message, DeadLetter):
+            dead_letters[reason_label(message.error)] += 1
+        elif name == config.dead_letters.table:
+            dead_letters["other"] += 1
+    return {
+        "topic": tp[0],
+        "partition": tp[1],
+        "start": batch.start,
+        "end": batch.end,
+        "resume": report.resume,
+        "skipped": report.skipped,
+        "messages": len(batch),
+        "blocks": report.blocks,
+        "replayed_blocks": report.replayed_blocks,
+        "rows": report.rows,
+        "bytes": report.bytes,
+        "commits": report.commits,
+        "warning": report.warning,
+        "consumed": dict(consumed),
+        "inserted": dict(sink.inserted),
+        "block_rows": sink.block_rows,
+        "insert_seconds": sink.seconds,
+        "commit_seconds": store.seconds,
+        "commit_failures": store.failures,
+        "dead_letters": dict(dead_letters),
+        "clickhouse_errors": dict(sink.errors),
+        "seconds": time.time() - started,
+    }
+
+
+def _one_partition(current: TopicPartition | None, tp: TopicPartition) -> TopicPartition:
+    if current is not None and tp != current:
+        raise TaskContractError(
+            f"one Spark partition holds rows of {current[0]}[{current[1]}] and "
+            f"{tp[0]}[{tp[1]}]: a Kafka partition range must be one Spark partition "
+            "(remove minPartitions/maxRecordsPerPartition, do not repartition)"
+        )
+    return tp
+
+
+def _out_of_order(tp: TopicPartition, before: int, after: int) -> TaskContractError:
+    return TaskContractError(
+        f"{tp[0]}[{tp[1]}]: offsets out of order ({before} then {after}): a "
+        "Kafka partition's rows must reach the aggregator in offset order"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Records:
+    """One task's Kafka records, as :func:`run_range` takes them (offset order)."""
+
+    tp: TopicPartition
+    offsets: list[int]
+    values: list[bytes | None]
+    timestamps_ms: list[int]
+
+
+def records_from_rows(rows: Iterable[Any]) -> Records | None:
+    """The records of ``rdd.mapPartitions`` rows (topic, partition, offset, value,
+    timestamp); ``None`` for none. Refuses a second partition or offsets out of order."""
+    current: TopicPartition | None = None
+    offsets: list[int] = []
+    values: list[bytes | None] = []
+    stamps: list[int] = []
+    for row in rows:
+        current = _one_partition(current, (row[0], row[1]))
+        offset = int(row[2])
+        if offsets and offset <= offsets[-1]:
+            raise _out_of_order(current, offsets[-1], offset)
+        offsets.append(offset)
+        value = row[3]
+        values.append(bytes(value) if value is not None else None)
+        stamp = row[4]
+        stamps.append(int(stamp.timestamp() * 1000) if stamp is not None else 0)
+    return None if current is None else Records(current, offsets, values, stamps)
+
+
+def records_from_arrow(batches: Iterable[pa.RecordBatch]) -> Records | None:
+    """The records of ``mapInArrow`` record batches with the same columns; the same
+    refusals. Timestamps are Kafka's milliseconds, which Spark keeps as microseconds:
+    the division is exact."""
+    current: TopicPartition | None = None
+    offsets: list[int] = []
+    values: list[bytes | None] = []
+    stamps: list[int] = []
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        for topic in pc.unique(batch.column("topic")).to_pylist():
+            for part in pc.unique(batch.column("partition")).to_pylist():
+                current = _one_partition(current, (topic, int(part)))
+        assert current is not None
+        batch_offsets = batch.column("offset").to_numpy(zero_copy_only=False)
+        before = (np.concatenate(([offsets[-1]], batch_offsets[:-1])) if offsets
+                  else batch_offsets[:-1])
+        after = batch_offsets if offsets else batch_offsets[1:]
+        wrong = np.flatnonzero(after <= before)
+        if wrong.size:
+            raise _out_of_order(current, int(before[wrong[0]]), int(after[wrong[0]]))
+        offsets.extend(batch_offsets.tolist())
+        values.extend(batch.column("value").to_pylist())
+        micros = pc.cast(batch.column("timestamp"), pa.int64()).fill_null(0)
+        stamps.extend((micros.to_numpy() // 1000).tolist())
+    return None if current is None else Records(current, offsets, values, stamps)
+
+
+def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, Any]]:
+    """``mapPartitions`` function: rows are (topic, partition, offset, value, timestamp)."""
+    records = records_from_rows(rows)
+    if records is not None:
+        yield run_range(ctx, records.tp, records.offsets, records.values,
+                        records.timestamps_ms)
+
+
+REPORT_SCHEMA = "report binary"
+"""The schema of :func:`run_arrow_partition`'s output: one pickled report per task."""
+
+
+def run_arrow_partition(ctx: TaskContext,
+                        batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` function over record batches of (topic, partition, offset, value,
+    timestamp), in offset order; yields one batch holding the pickled report."""
+    records = records_from_arrow(batches)
+    if records is None:
+        return
+    report = run_range(ctx, records.tp, records.offsets, records.values,
+                       records.timestamps_ms)
+    yield pa.RecordBatch.from_pydict(
+        {"report": [pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)]},
+        schema=pa.schema([("report", pa.binary())]))
