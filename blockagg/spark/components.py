@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from blockagg.aggregator.config import Config, TopicConfig
-from blockagg.aggregator.core.model import BlockSink, MetadataStore
+from blockagg.aggregator.core.model import BlockSink, Fence, MetadataStore
 from blockagg.aggregator.exceptions import BlockaggError
 
 
@@ -89,6 +89,24 @@ class DefaultComponents:
 
         result: TableRegistry = cached(("registry", config.schemas.topic), make)
         return result
+
+
+class Attempt(MetadataStore, Fence, Protocol):
+    """A metadata store bound to one task attempt at one partition, which fenced every
+    older attempt when it opened (``aggregator.kafka.fencing.FencedAttempt``)."""
+
+    def close(self) -> None: ...
+
+
+def open_attempt(store: MetadataStore, topic: str, partition: int) -> Attempt | None:
+    """Open this task's fenced attempt at the partition, when ``store`` fences
+    (``attempt(topic, partition)``, as the Kafka store does); ``None`` for a store that
+    does not (test fakes). Called before the task reads anything the batch depends on."""
+    opener = getattr(store, "attempt", None)
+    if opener is None:
+        return None
+    attempt: Attempt = opener(topic, partition)
+    return attempt
 
 
 def make_writer(config: Config, topic: TopicConfig) -> Any:

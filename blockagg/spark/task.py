@@ -42,7 +42,14 @@ from blockagg.aggregator.core.model import (
 )
 from blockagg.aggregator.core.protocol import process_batch
 from blockagg.proto.envelope import Parsed, Rejected, parse_envelope
-from blockagg.spark.components import Components, TableRegistry, cached, describer
+from blockagg.spark.components import (
+    Attempt,
+    Components,
+    TableRegistry,
+    cached,
+    describer,
+    open_attempt,
+)
 from blockagg.spark.exceptions import TaskContractError
 from blockagg.spark.offsets import PlannedRange, TopicPartition
 
@@ -257,6 +264,26 @@ def run_range(
             f"{tp[0]}[{tp[1]}]: rows [{offsets[0]}, {offsets[-1]}] fall outside the planned "
             f"range [{rng.start}, {rng.end}) of batch {ctx.batch_id}"
         )
+    # Fence every older attempt at this partition before reading anything (invariant 6).
+    attempt = open_attempt(ctx.components.store(config), tp[0], tp[1])
+    try:
+        return _run_attempt(ctx, tp, rng, offsets, values, timestamps_ms, attempt, started)
+    finally:
+        if attempt is not None:
+            attempt.close()
+
+
+def _run_attempt(
+    ctx: TaskContext,
+    tp: TopicPartition,
+    rng: PlannedRange,
+    offsets: Sequence[int],
+    values: Sequence[bytes | None],
+    timestamps_ms: Sequence[int],
+    attempt: Attempt | None,
+    started: float,
+) -> dict[str, Any]:
+    config = ctx.config
     registry = ctx.components.registry(config)
     topic_config = config.topic_for(tp[0])
     if hasattr(registry, "reload") and hasattr(registry, "current"):
@@ -268,11 +295,12 @@ def run_range(
     # The dead-letter rate is judged by the driver over whole batches (a window of
     # them, from dead_letters.min_messages on), after they are delivered: a partition's
     # share alone says little (1 bad message of 1 is 100%).
-    store = _MeasuredStore(ctx.components.store(config))
+    store = _MeasuredStore(attempt or ctx.components.store(config))
     sink = _MeasuredSink(ctx.components.sink(config, topic_config))
     thresholds = Thresholds(config.blocks.max_rows, config.blocks.max_bytes,
                             config.job.offset_metadata_max_bytes)
-    report = process_batch(batch, store, sink, thresholds, ctx.run_id, ctx.batch_id)
+    report = process_batch(batch, store, sink, thresholds, ctx.run_id, ctx.batch_id,
+                           attempt)
     consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dead_letters: dict[str, int] = defaultdict(int)
     for i, message in enumerate(batch.payloads):

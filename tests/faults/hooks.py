@@ -32,7 +32,14 @@ from pathlib import Path
 
 from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
-from blockagg.spark.components import Components, DefaultComponents, TableRegistry, load_components
+from blockagg.spark.components import (
+    Attempt,
+    Components,
+    DefaultComponents,
+    TableRegistry,
+    load_components,
+    open_attempt,
+)
 
 STEPS = ("after_commit", "after_insert", "between_blocks", "commit_fails")
 
@@ -130,6 +137,25 @@ class FaultStore:
         self.inner.commit(topic, partition, offset, metadata)
         _INSERTED_SINCE_COMMIT[tp] = 0
         self.plan.fail("after_commit", f"after committing {topic}[{partition}] at {offset}")
+
+    def attempt(self, topic: str, partition: int) -> FaultAttempt | None:
+        """The inner store's fenced attempt, with the same faults on its commits."""
+        inner = open_attempt(self.inner, topic, partition)
+        return None if inner is None else FaultAttempt(inner, self.plan)
+
+
+class FaultAttempt(FaultStore):
+    """A fenced attempt (``spark.components.Attempt``) with the hooks' faults."""
+
+    def __init__(self, inner: Attempt, plan: Plan) -> None:
+        super().__init__(inner, plan)
+        self.attempt_inner = inner
+
+    def confirm(self, topic: str, partition: int) -> None:
+        self.attempt_inner.confirm(topic, partition)
+
+    def close(self) -> None:
+        self.attempt_inner.close()
 
 
 class FaultSink:

@@ -123,6 +123,14 @@ class MetadataStore(Protocol):
     def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None: ...
 
 
+class Fence(Protocol):
+    """One attempt's hold on a partition (invariant 6): ``confirm`` raises unless the
+    partition's last commit is still the intent this attempt wrote, so an attempt that
+    a newer one has overtaken inserts nothing (``aggregator.kafka.fencing``)."""
+
+    def confirm(self, topic: str, partition: int) -> None: ...
+
+
 class BlockSink(Protocol):
     """Where blocks go: ClickHouse, one insert per block.
 

@@ -48,6 +48,7 @@ from blockagg.aggregator.core.model import (
     Block,
     BlockSink,
     Committed,
+    Fence,
     MetadataStore,
     Thresholds,
 )
@@ -384,11 +385,14 @@ def plan_batch(
     )
 
 
-def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink) -> BatchReport:
+def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink,
+              fence: Fence | None = None) -> BatchReport:
     """Execute the plan's operations in order; any error propagates at once.
 
     A batch interrupted anywhere is safe to run again from a fresh plan: the next plan
-    reads the last commit that went through and rebuilds its blocks identically.
+    reads the last commit that went through and rebuilds its blocks identically. With
+    a ``fence``, each insert is preceded by ``fence.confirm``: an attempt overtaken by a
+    newer one stops before inserting (invariant 6).
     """
     batch = protocol.batch
     commits = blocks = replayed = rows = size = messages = 0
@@ -398,6 +402,8 @@ def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink) -> BatchRep
             commits += 1
         else:
             block = operation.block
+            if fence is not None:
+                fence.confirm(batch.topic, batch.partition)
             sink.insert(block, batch)
             blocks += 1
             replayed += block.replay
@@ -429,8 +435,10 @@ def process_batch(
     thresholds: Thresholds,
     run: int,
     batch_id: int,
+    fence: Fence | None = None,
 ) -> BatchReport:
     """Read the partition's last commit, plan the batch and run it: the whole protocol
     for one partition of one micro-batch."""
     committed = store.committed(batch.topic, batch.partition)
-    return run_batch(plan_batch(batch, committed, thresholds, run, batch_id), store, sink)
+    return run_batch(plan_batch(batch, committed, thresholds, run, batch_id), store, sink,
+                     fence)

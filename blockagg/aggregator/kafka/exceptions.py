@@ -20,3 +20,10 @@ class CommittedReadError(KafkaAdapterError):
 
 class OffsetMetadataTooLarge(MetadataCommitError, MetadataTooLarge):
     """The broker rejected the metadata as longer than its ``offset.metadata.max.bytes``."""
+
+
+class AttemptFenced(MetadataCommitError):
+    """A newer attempt holds the partition: this attempt's producer was fenced by Kafka
+    (its transactional id was initialised again), or the partition's last commit is no
+    longer the intent this attempt wrote. The attempt must stop without retrying: the
+    newer attempt replays whatever this one left unfinished."""

@@ -53,6 +53,8 @@ class OffsetsConsumer(Protocol):
 
     def close(self) -> None: ...
 
+    def consumer_group_metadata(self) -> Any: ...
+
 
 def _is_retriable(error: KafkaError) -> bool:
     return bool(error.retriable()) or error.code() in RETRIABLE_CODES
@@ -96,12 +98,16 @@ class KafkaMetadataStore:
             )
         settings = dict(config)
         settings["enable.auto.commit"] = False
+        # A read right after a transactional commit waits for its markers (the broker
+        # answers UNSTABLE_OFFSET_COMMIT until then): retry that in milliseconds.
+        settings.setdefault("retry.backoff.ms", 10)
         self.group_id = str(config["group.id"])
+        self.settings: Mapping[str, Any] = settings
         self._consumer = consumer_factory(settings)
         self._retries = retries
         self._backoff = backoff
         self._max_backoff = max_backoff
-        self._timeout = timeout
+        self.timeout = timeout
         self._sleep = sleep
 
     def _retrying(self, attempt: Callable[[], R]) -> R:
@@ -122,7 +128,7 @@ class KafkaMetadataStore:
 
         def attempt() -> Committed | None:
             (result,) = self._consumer.committed(
-                [TopicPartition(topic, partition)], timeout=self._timeout
+                [TopicPartition(topic, partition)], timeout=self.timeout
             )
             if result.error is not None:
                 raise KafkaException(result.error)
@@ -167,6 +173,18 @@ class KafkaMetadataStore:
                 f"{self.group_id!r}: {exc}. The commit may or may not have been applied; "
                 "the batch is safe to run again."
             ) from exc
+
+    def group_metadata(self) -> Any:
+        """The metadata group as a transactional offset commit names it: no member,
+        generation -1, which the coordinator accepts for a group without members."""
+        return self._consumer.consumer_group_metadata()
+
+    def attempt(self, topic: str, partition: int) -> Any:
+        """Open a fenced attempt at the partition (``fencing.FencedAttempt``): every
+        older attempt's commits and inserts are refused from now on."""
+        from blockagg.aggregator.kafka.fencing import FencedAttempt
+
+        return FencedAttempt(self, topic, partition)
 
     def close(self) -> None:
         """Leave the broker connection; the store is unusable afterwards."""

@@ -53,6 +53,9 @@ class ScriptedConsumer:
     def close(self) -> None:
         pass
 
+    def consumer_group_metadata(self) -> Any:
+        return ("group-metadata", -1)
+
 
 def store_with(script: list[tuple[str, int | None]]) -> tuple[KafkaMetadataStore,
                                                                ScriptedConsumer, list[float]]:

@@ -1,0 +1,222 @@
+"""Fencing of task attempts by Kafka's transactional producer epochs (invariant 6).
+
+Every metadata commit of one partition goes through a transactional producer whose
+``transactional.id`` names the metadata group, the topic and the partition
+(:func:`transactional_id`). A task attempt opens a :class:`FencedAttempt`:
+
+1. its producer calls ``init_transactions()``: the transaction coordinator bumps the
+   id's producer epoch, aborts any transaction an older attempt left open, and from then
+   on refuses every request of an older attempt's producer (``PRODUCER_FENCED``);
+2. only then does it read the partition's last commit (``isolation.level=read_committed``,
+   so the read waits for pending transactional offsets to settle instead of showing them);
+3. each metadata commit is one small transaction holding only an offset commit of the
+   metadata group (``send_offsets_to_transaction``; the offset carries the metadata
+   string, as a plain commit does), so a fenced attempt's commit is refused by the
+   broker: :class:`AttemptFenced`;
+4. before each insert, :meth:`FencedAttempt.confirm` reads the partition's last commit
+   again and refuses unless it is still the intent this attempt wrote: an older attempt
+   whose partition moved on inserts nothing.
+
+The metadata group stays member-less: the transactional offset commit carries
+generation ``-1`` and no member id, which the group coordinator accepts for a group
+without members exactly as it accepts a plain "simple consumer" commit. What lands in
+``__consumer_offsets`` is the same offset-commit record, written transactionally and
+followed by a commit marker (or dropped by an abort marker), so readers use
+``read_committed``. The window this leaves (an attempt paused between its last
+confirm and its insert) is covered by ClickHouse's block deduplication:
+``docs/protocol.md``, *Fencing*.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Protocol
+
+from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+
+from blockagg.aggregator.core.model import Committed
+from blockagg.aggregator.kafka.exceptions import (
+    AttemptFenced,
+    MetadataCommitError,
+    OffsetMetadataTooLarge,
+)
+from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore, _error_of, _is_retriable
+
+FENCED_CODES: Final = frozenset(
+    {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
+)
+"""What the broker or librdkafka answers a producer whose epoch is no longer current."""
+
+CONSUMER_ONLY: Final = frozenset(
+    {"group.id", "group.instance.id", "enable.auto.commit", "auto.offset.reset",
+     "isolation.level", "enable.auto.offset.store", "session.timeout.ms",
+     "heartbeat.interval.ms", "partition.assignment.strategy", "max.poll.interval.ms"}
+)
+
+
+class TransactionalProducer(Protocol):
+    """The part of ``confluent_kafka.Producer`` an attempt uses."""
+
+    def init_transactions(self, timeout: float = ...) -> None: ...
+
+    def begin_transaction(self) -> None: ...
+
+    def send_offsets_to_transaction(self, positions: list[Any], group_metadata: Any,
+                                    timeout: float = ...) -> None: ...
+
+    def commit_transaction(self, timeout: float = ...) -> None: ...
+
+    def abort_transaction(self, timeout: float = ...) -> None: ...
+
+
+def transactional_id(group: str, topic: str, partition: int) -> str:
+    """One id per (metadata group, topic, partition): every attempt at the partition
+    shares it, so each new attempt fences all older ones, and nothing else does."""
+    return f"blockagg.{group}.{topic}.{partition}"
+
+
+def producer_settings(store_settings: Mapping[str, Any], tid: str,
+                      transaction_timeout_ms: int) -> dict[str, Any]:
+    """The store's connection settings (bootstrap, security) for the attempt's
+    producer, without the consumer-only keys, with the transactional id."""
+    settings = {k: v for k, v in store_settings.items() if k not in CONSUMER_ONLY}
+    settings["transactional.id"] = tid
+    settings["transaction.timeout.ms"] = transaction_timeout_ms
+    return settings
+
+
+class FencedAttempt:
+    """One task attempt's hold on one partition; a :class:`MetadataStore` for it.
+
+    Creating it fences every older attempt at the partition (see the module doc), so
+    create it before reading anything the batch depends on. ``close()`` when done.
+    """
+
+    def __init__(
+        self,
+        store: KafkaMetadataStore,
+        topic: str,
+        partition: int,
+        *,
+        transaction_timeout_ms: int = 60_000,
+        producer_factory: Callable[[dict[str, Any]], TransactionalProducer] = Producer,
+        retries: int = 8,
+        backoff: float = 0.1,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.store = store
+        self.topic = topic
+        self.partition = partition
+        self.transactional_id = transactional_id(store.group_id, topic, partition)
+        self._retries = retries
+        self._backoff = backoff
+        self._sleep = sleep
+        self._timeout = store.timeout
+        self._written: Committed | None = None
+        self._producer = producer_factory(producer_settings(
+            store.settings, self.transactional_id, transaction_timeout_ms))
+        try:
+            self._producer.init_transactions(self._timeout)
+        except KafkaException as exc:
+            raise MetadataCommitError(
+                f"{self._where}: could not initialise the transactional id "
+                f"{self.transactional_id!r} that fences older attempts: {exc}. The brokers "
+                "must allow transactions (transaction.state.log.* settings) and, with ACLs, "
+                "grant Write and Describe on the TransactionalId prefix "
+                f"'blockagg.{store.group_id}.' and IdempotentWrite on the cluster."
+            ) from exc
+
+    @property
+    def _where(self) -> str:
+        return f"{self.topic}[{self.partition}] in group {self.store.group_id!r}"
+
+    def _check(self, topic: str, partition: int) -> None:
+        if (topic, partition) != (self.topic, self.partition):
+            raise ValueError(f"an attempt at {self.topic}[{self.partition}] was asked about "
+                             f"{topic}[{partition}]")
+
+    def committed(self, topic: str, partition: int) -> Committed | None:
+        self._check(topic, partition)
+        return self.store.committed(topic, partition)
+
+    def _fenced(self, what: str) -> AttemptFenced:
+        return AttemptFenced(
+            f"{self._where}: {what}. A newer attempt at this partition has started (a task "
+            "retry, or a restarted driver); this attempt stops without retrying and the newer "
+            "one replays what it left unfinished."
+        )
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+        """Commit ``offset`` with ``metadata`` in a transaction of this attempt's
+        producer; :class:`AttemptFenced` if a newer attempt has initialised it since."""
+        self._check(topic, partition)
+        position = [TopicPartition(topic, partition, offset, metadata=metadata)]
+        group = self.store.group_metadata()
+        delay = self._backoff
+        for tries in range(self._retries + 1):
+            try:
+                self._producer.begin_transaction()
+                self._producer.send_offsets_to_transaction(position, group, self._timeout)
+                self._producer.commit_transaction(self._timeout)
+                self._written = Committed(offset=offset, metadata=metadata)
+                return
+            except KafkaException as exc:
+                error = _error_of(exc)
+                if error is not None and error.code() in FENCED_CODES:
+                    raise self._fenced(f"the commit of offset {offset} was refused: "
+                                       f"{error.str()}") from exc
+                if error is not None and error.code() == KafkaError.OFFSET_METADATA_TOO_LARGE:
+                    raise OffsetMetadataTooLarge(
+                        f"the broker rejected the metadata of {topic}[{partition}] "
+                        f"({len(metadata)} bytes) as larger than its "
+                        "offset.metadata.max.bytes. Raise offset.metadata.max.bytes on the "
+                        "brokers and the matching max_metadata_bytes here, or lower "
+                        "maxOffsetsPerTrigger."
+                    ) from exc
+                again = error is not None and not error.fatal() and (
+                    error.txn_requires_abort() or _is_retriable(error))
+                if not again or tries == self._retries:
+                    raise MetadataCommitError(
+                        f"could not commit offset {offset} of {self._where} in a transaction "
+                        f"of {self.transactional_id!r}: {exc}. The commit may or may not have "
+                        "been applied; the batch is safe to run again."
+                    ) from exc
+                self._abort_quietly()
+                self._sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    def _abort_quietly(self) -> None:
+        try:
+            self._producer.abort_transaction(self._timeout)
+        except KafkaException as exc:
+            error = _error_of(exc)
+            if error is not None and error.code() in FENCED_CODES:
+                raise self._fenced(f"aborting a failed commit was refused: {error.str()}") \
+                    from exc
+            # No transaction in progress (it failed before beginning): nothing to abort.
+
+    def confirm(self, topic: str, partition: int) -> None:
+        """Raise :class:`AttemptFenced` unless the partition's last commit is still the
+        one this attempt wrote: called before each insert, so an attempt whose partition
+        has moved on (a newer attempt committed since) inserts nothing."""
+        self._check(topic, partition)
+        last = self.store.committed(topic, partition)
+        written = self._written
+        if (written is None or last is None or last.offset != written.offset
+                or last.metadata.rstrip("\x00") != written.metadata.rstrip("\x00")):
+            shown = "no commit" if last is None else f"offset {last.offset}"
+            raise self._fenced(
+                "the partition's last commit is no longer this attempt's intent "
+                f"({shown} now); the block was not inserted")
+
+    def close(self) -> None:
+        """Drop the producer (it holds no messages: only offset commits)."""
+        del self._producer
+
+    def __enter__(self) -> FencedAttempt:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
