@@ -15,6 +15,11 @@ class JobLocked(JobError):
     """Another job serves the same metadata group and topic."""
 
 
+class LockLost(JobError):
+    """The job's lock membership expired while it ran: it stops rather than run
+    unguarded (a second job would not be refused)."""
+
+
 class TaskContractError(JobError):
     """A Spark task got rows that break the one-partition-per-task contract."""
 

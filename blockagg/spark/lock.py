@@ -68,10 +68,12 @@ class GroupLock:
         owns: Callable[[str], bool],
         client_id: str,
         session_timeout_ms: int = 10_000,
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
         from confluent_kafka import Consumer
 
         self.group = f"{metadata_group}.lock"
+        self._on_lost_hook = on_lost
         self._owns = owns
         self._subscription = subscription
         conf: dict[str, object] = dict(kafka_config)
@@ -117,18 +119,28 @@ class GroupLock:
 
     def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
         """The coordinator dropped us (no heartbeat within the session timeout, e.g. the
-        broker was unreachable): nobody took the partitions, so say so, not "a second job"."""
+        broker was unreachable): nobody took the partitions, so say so, not "a second job".
+
+        Without the membership a second job would not be refused, so the lock is no
+        longer held: ``on_lost`` (the driver) is told, and stops the job cleanly. The
+        fencing of task attempts (``aggregator.kafka.fencing``) keeps the data safe
+        meanwhile; the stop keeps two jobs from taking turns fencing each other."""
         with self._lock:
             for p in partitions:
                 self._assigned.discard((p.topic, p.partition))
         consumer.incremental_unassign(partitions)
         if self._held and partitions:
-            log.warning(
-                "lock group %s membership lost: no heartbeat reached the group coordinator "
-                "within the session timeout (broker unreachable?); rejoining. Until it is "
-                "back, a second job on the same metadata group and topic would not be refused",
-                self.group,
+            self._held = False
+            reason = (
+                f"lock group {self.group} membership lost: no heartbeat reached the group "
+                "coordinator within the session timeout (broker unreachable, or the driver "
+                "paused longer than job.lock_session_timeout); a second job on the same "
+                "metadata group and topic would no longer be refused, so this job stops. "
+                "Restart it once the brokers are reachable"
             )
+            log.warning("%s", reason)
+            if self._on_lost_hook is not None:
+                self._on_lost_hook(reason)
 
     def _poll(self) -> None:
         while not self._stop.is_set():
