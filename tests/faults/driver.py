@@ -52,6 +52,7 @@ KINDS = (
     "broker_kill9",          # 6. the Kafka broker killed and restarted
     "checkpoint_deleted",    # 7. the Spark checkpoint deleted between runs
     "commit_fails",          # 8. a metadata commit fails after some blocks of a batch
+    "executor_stall",        # 9. a task stalled (SIGSTOP) across a driver restart, resumed
 )
 
 _HOOK_STEP = {"task_after_commit": "after_commit", "task_after_insert": "after_insert",
@@ -67,6 +68,7 @@ class Job:
     folder: Path
     master: str = "local[2,4]"
     extra_toml: str = ""
+    py_files: list[Path] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     exits: list[int] = field(default_factory=list)
@@ -101,6 +103,23 @@ class Job:
         })
         return env
 
+    def command(self) -> list[str]:
+        """``python job.py`` (pyspark starts Spark from PYSPARK_SUBMIT_ARGS) or, for a
+        ``spark://`` master, ``spark-submit`` shipping ``py_files`` to the executors."""
+        if not self.master.startswith("spark://"):
+            return [sys.executable, str(JOB_PY), "--config", str(self.config)]
+        from tests.faults.cluster import spark_home
+
+        return [str(spark_home() / "bin" / "spark-submit"), "--master", self.master,
+                "--jars", self.jars, "--py-files", ",".join(map(str, self.py_files)),
+                "--conf", "spark.ui.enabled=false",
+                "--conf", "spark.driver.host=127.0.0.1",
+                "--conf", "spark.driver.bindAddress=127.0.0.1",
+                "--conf", f"spark.pyspark.python={sys.executable}",
+                "--conf", "spark.executor.memory=512m", "--conf", "spark.executor.cores=1",
+                "--conf", "spark.cores.max=2",
+                str(JOB_PY), "--config", str(self.config)]
+
     def start(self) -> None:
         with self.lock:
             self._start()
@@ -111,8 +130,7 @@ class Job:
             out.write(f"\n===== start {self.starts} {time.strftime('%T')} =====\n".encode())
             out.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, str(JOB_PY), "--config",
-                 str(self.config)], stdout=out, stderr=subprocess.STDOUT, env=self.env(),
+                self.command(), stdout=out, stderr=subprocess.STDOUT, env=self.env(),
                 cwd=REPO_ROOT, start_new_session=True)
         self.starts += 1
         self._starts_here.n = getattr(self._starts_here, "n", 0) + 1
@@ -194,6 +212,8 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
         info["fired"] = _wait(lambda: hooks.fired(job.hook_dir) >= 1, 120)
         hooks.disarm(job.hook_dir)
         job.ensure_running()
+    elif kind == "executor_stall":
+        info.update(stall_across_restart(job, stack, rng))
     elif kind == "lost_ack":
         proxy = job.proxies[0]
         before = proxy.stats.dropped_responses
@@ -224,6 +244,68 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
         raise ValueError(f"unknown fault kind {kind!r}; known: {KINDS}")
     info["inject_s"] = round(time.monotonic() - started, 1)
     return info
+
+
+def _metadata_store(job: Job, stack: StackControl) -> Any:
+    from blockagg.aggregator.config import load
+    from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
+
+    group = load(job.config, {}).job.metadata_group_id
+    return KafkaMetadataStore({"bootstrap.servers": stack.bootstrap, "group.id": group})
+
+
+def stall_across_restart(job: Job, stack: StackControl, rng: random.Random) -> dict[str, Any]:
+    """Fault 9: a task attempt stalls (its Python worker SIGSTOPs itself after an intent
+    or an insert, having left the job's session), the driver is killed (-9) and
+    restarted, newer attempts commit the partition, then the stalled attempt is resumed
+    (SIGCONT). It must be refused (fenced) before it commits or inserts anything; what it
+    was told is recorded in ``refused``."""
+    step = rng.choice(["stall_after_commit", "stall_after_insert"])
+    info: dict[str, Any] = {"step": step}
+    before = len(hooks.stalled(job.hook_dir))
+    job.arm(step)
+    info["fired"] = _wait(lambda: len(hooks.stalled(job.hook_dir)) > before, 180)
+    hooks.disarm(job.hook_dir)
+    if not info["fired"]:
+        return info
+    record = hooks.stalled(job.hook_dir)[-1]
+    pid, topic, partition = int(str(record["pid"])), str(record["topic"]), int(
+        str(record["partition"]))
+    info.update(pid=pid, partition=f"{topic}[{partition}]",
+                blockagg_module=record.get("blockagg"))
+    with job.lock:
+        job.kill9()
+        job.start()
+    with _metadata_store(job, stack) as store:
+        stalled_at = store.committed(topic, partition)
+        # Newer commits: the restarted job's attempts moved the partition on.
+        info["newer_commits"] = _wait(
+            lambda: store.committed(topic, partition) != stalled_at, 300, poll=1)
+        info["committed_before_resume"] = str(store.committed(topic, partition))
+    try:
+        os.kill(pid, signal.SIGCONT)
+        info["refused"] = ""
+        if _wait(lambda: bool(hooks.refusals(job.hook_dir, pid)), 120):
+            info["refused"] = hooks.refusals(job.hook_dir, pid).strip()
+        info["zombie_exited"] = _wait(lambda: not _alive(pid), 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return info
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return False
 
 
 @dataclass
@@ -262,6 +344,7 @@ class Outcome:
 # hooks, a proxy armed while its replica is down); faults on different ones may.
 _RESOURCE = {"driver_kill9": "driver", "checkpoint_deleted": "driver",
              **{kind: "hooks" for kind in _HOOK_STEP},
+             "executor_stall": "hooks",
              "lost_ack": "clickhouse", "replica_kill9": "clickhouse",
              "zookeeper_down": "clickhouse", "broker_kill9": "kafka"}
 
@@ -360,7 +443,8 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
         dead_every: int = 97, settle_s: float = 180, catch_up_s: float = 900,
         rate: float = 0.0, check_every: int = 0, streams: int = 1,
         zookeeper_down_s: tuple[float, float] = (10, 25),
-        json_path: Path | None = None) -> tuple[Outcome, Workload, Job]:
+        json_path: Path | None = None, master: str = "local[2,4]",
+        py_files: list[Path] | None = None) -> tuple[Outcome, Workload, Job]:
     """``faults`` faults (:func:`plan`) while ``messages`` are produced; after each
     fault the job is kept running and must have stored everything produced up to the
     fault's recovery within ``settle_s`` (that wait is the time to recover).
@@ -374,12 +458,13 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     every Nth fault once every stream is idle and the job has caught up: nothing is
     produced meanwhile, so every row produced so far must already be stored exactly
     once. Those interim checks and every fault's event go into ``json_path``,
-    rewritten after each fault."""
+    rewritten after each fault. ``master`` is Spark's (``spark://...``: the job is
+    submitted with ``spark-submit``, shipping ``py_files``)."""
     workload = Workload(stack.bootstrap, "127.0.0.1", stack.ch_ports, tables=tables,
                         partitions=partitions, rows_per_message=rows_per_message,
                         dead_every=dead_every, seed=seed)
     workload.setup()
-    job = Job(workload, stack, folder)
+    job = Job(workload, stack, folder, master=master, py_files=list(py_files or []))
     outcome = Outcome()
     started = time.monotonic()
     per_fault = max(1, messages // max(1, faults + 1))

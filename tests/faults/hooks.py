@@ -13,6 +13,14 @@ fails at one step of the protocol:
   inserted, the first one is in (a batch half delivered);
 * ``commit_fails``: a metadata commit raises as if the broker were unreachable, after
   a block of the partition was inserted since its previous commit.
+* ``stall_after_commit`` / ``stall_after_insert``: the task stalls (``SIGSTOP`` of its
+  own Python worker) right after an intent that lists blocks was committed, or right
+  after a block was inserted. It first leaves the job's process group and session
+  (``os.setsid``), so that neither a kill of the driver's process group nor Spark's
+  clean-up of a dead application's executor reaches it: an attempt that outlives its
+  driver. It records ``stalled-<n>.json`` (pid, partition, its last commit); the test
+  resumes it with ``SIGCONT`` after newer attempts committed, and every refusal it then
+  meets (:class:`AttemptFenced`) is recorded as ``fenced-<pid>.txt``.
 
 Control is by files, because tasks run in Spark's Python worker processes:
 ``BLOCKAGG_FAULT_DIR/armed`` names the step (the test writes it with :func:`arm` at the
@@ -25,13 +33,17 @@ Spark retries it) or ``exit`` (the Python worker dies with ``os._exit``).
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
+from blockagg.aggregator.kafka.exceptions import AttemptFenced
 from blockagg.spark.components import (
     Attempt,
     Components,
@@ -41,7 +53,8 @@ from blockagg.spark.components import (
     open_attempt,
 )
 
-STEPS = ("after_commit", "after_insert", "between_blocks", "commit_fails")
+STEPS = ("after_commit", "after_insert", "between_blocks", "commit_fails",
+         "stall_after_commit", "stall_after_insert")
 
 
 class InjectedFault(RuntimeError):
@@ -93,6 +106,29 @@ class Plan:
             os._exit(17)
         raise InjectedFault(f"injected fault #{n} at step {step}: {what}")
 
+    def stall(self, step: str, record: dict[str, object]) -> None:
+        """At ``step`` (when armed and not used up): leave the job's session, record
+        ``stalled-<n>.json`` and stop this process until someone sends SIGCONT."""
+        if self.step() != step:
+            return
+        n = self.claim()
+        if n is None:
+            return
+        import blockagg
+
+        os.setsid()
+        record = {**record, "pid": os.getpid(), "step": step,
+                  "blockagg": str(blockagg.__file__)}
+        tmp = self.folder / f"stalled-{n}.tmp"
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.folder / f"stalled-{n}.json")
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def refused(self, exc: BaseException) -> None:
+        """Record a refusal met by this process (a fenced attempt)."""
+        with open(self.folder / f"fenced-{os.getpid()}.txt", "a") as out:
+            out.write(f"{type(exc).__name__}: {exc}\n")
+
 
 def arm(folder: Path, step: str) -> None:
     """Reset the fired markers and arm ``step`` (from the test process)."""
@@ -115,6 +151,19 @@ def fired(folder: Path) -> int:
     return len(list(folder.glob("fired-*")))
 
 
+def stalled(folder: Path) -> list[dict[str, object]]:
+    """The records of the tasks stalled so far (read by the test)."""
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("stalled-*.json"))]
+
+
+def refusals(folder: Path, pid: int) -> str:
+    """What process ``pid`` was refused (its ``AttemptFenced`` messages), or ''."""
+    try:
+        return (folder / f"fenced-{pid}.txt").read_text()
+    except OSError:
+        return ""
+
+
 # Per worker process: blocks inserted since the partition's last commit, and the
 # batches whose first block went in.
 _INSERTED_SINCE_COMMIT: dict[tuple[str, int], int] = {}
@@ -134,9 +183,16 @@ class FaultStore:
         if _INSERTED_SINCE_COMMIT.get(tp, 0) > 0:
             self.plan.fail("commit_fails",
                            f"commit of {topic}[{partition}] at {offset} (broker unreachable)")
-        self.inner.commit(topic, partition, offset, metadata)
+        try:
+            self.inner.commit(topic, partition, offset, metadata)
+        except AttemptFenced as exc:
+            self.plan.refused(exc)
+            raise
         _INSERTED_SINCE_COMMIT[tp] = 0
         self.plan.fail("after_commit", f"after committing {topic}[{partition}] at {offset}")
+        if is_blockagg(metadata) and decode(metadata).blocks:
+            self.plan.stall("stall_after_commit", {"topic": topic, "partition": partition,
+                                                   "offset": offset, "metadata": metadata})
 
     def attempt(self, topic: str, partition: int) -> FaultAttempt | None:
         """The inner store's fenced attempt, with the same faults on its commits."""
@@ -152,7 +208,11 @@ class FaultAttempt(FaultStore):
         self.attempt_inner = inner
 
     def confirm(self, topic: str, partition: int) -> None:
-        self.attempt_inner.confirm(topic, partition)
+        try:
+            self.attempt_inner.confirm(topic, partition)
+        except AttemptFenced as exc:
+            self.plan.refused(exc)
+            raise
 
     def close(self) -> None:
         self.attempt_inner.close()
@@ -174,6 +234,9 @@ class FaultSink:
         tp = (batch.topic, batch.partition)
         _INSERTED_SINCE_COMMIT[tp] = _INSERTED_SINCE_COMMIT.get(tp, 0) + 1
         self.plan.fail("after_insert", f"after inserting {block.token}")
+        self.plan.stall("stall_after_insert", {"topic": batch.topic,
+                                               "partition": batch.partition,
+                                               "block": block.token})
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,16 @@ The long run (``>= 1,000`` faults) is ``python -m tests.faults.driver``
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.faults import driver
-from tests.faults.stack import StackControl
+from tests.faults.cluster import StandaloneCluster, project_zips
+from tests.faults.stack import FAULT_PORT_SHIFT, StackControl
 
 
 def _job_can_write_clickhouse() -> str | None:
@@ -52,6 +56,17 @@ def _assert_clean(outcome: driver.Outcome, kinds: list[str], job: driver.Job) ->
     assert not not_fired, f"faults armed but never triggered: {not_fired}"
     unrecovered = [e for e in outcome.events if e.get("recover_s") is None]
     assert not unrecovered, f"not caught up after: {unrecovered}"
+    for event in outcome.events:
+        if event["kind"] == "executor_stall":
+            _assert_fenced(event)
+
+
+def _assert_fenced(event: dict[str, Any]) -> None:
+    """The stalled attempt outlived its driver, newer attempts committed its partition,
+    and once resumed it tried to go on and was refused by the fence."""
+    assert event.get("newer_commits"), f"the partition never moved on: {event}"
+    assert "AttemptFenced" in event.get("refused", ""), f"the zombie was not refused: {event}"
+    assert "newer attempt" in event["refused"]
 
 
 @pytest.mark.integration
@@ -74,3 +89,47 @@ def test_scenario(kind: str, stack: StackControl, tmp_path: Path) -> None:
                                  rows_per_message=5, dead_every=41, settle_s=240,
                                  catch_up_s=300)
     _assert_clean(outcome, [kind], job)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
+    """A master and two workers from pyspark's ``bin/spark-class`` on loopback (ports
+    7077/8080 + the fault suite's port shift), stopped at the end."""
+    shift = int(os.environ.get("BLOCKAGG_FAULT_PORT_SHIFT", FAULT_PORT_SHIFT))
+    spark = StandaloneCluster(tmp_path / "cluster", shift=shift)
+    spark.folder.mkdir(parents=True)
+    spark.start()
+    try:
+        yield spark
+    finally:
+        spark.stop()
+
+
+def _stall_run(stack: StackControl, folder: Path, master: str,
+               py_files: list[Path] | None = None) -> tuple[driver.Outcome, driver.Job]:
+    outcome, _, job = driver.run(stack, ["executor_stall"], faults=1, messages=1_500, seed=5,
+                                 folder=folder, tables=4, partitions=2, rows_per_message=5,
+                                 dead_every=41, settle_s=240, catch_up_s=300, master=master,
+                                 py_files=py_files)
+    _assert_clean(outcome, ["executor_stall"], job)
+    return outcome, job
+
+
+@pytest.mark.integration
+@needs_job
+def test_stalled_attempt_is_fenced_local(stack: StackControl, tmp_path: Path) -> None:
+    """Issue 13: a task stalled across a driver restart is refused once resumed."""
+    _stall_run(stack, tmp_path, "local[2,4]")
+
+
+@pytest.mark.integration
+@needs_job
+def test_stalled_executor_is_fenced_on_a_standalone_cluster(
+        stack: StackControl, cluster: StandaloneCluster, tmp_path: Path) -> None:
+    """The same on a real standalone cluster (a master, two workers, the job submitted
+    with spark-submit and the project shipped with --py-files): the stalled task ran in
+    an executor JVM of a worker, importing blockagg from the shipped zip."""
+    outcome, job = _stall_run(stack, tmp_path, cluster.url, project_zips(tmp_path / "zips"))
+    (event,) = [e for e in outcome.events if e["kind"] == "executor_stall"]
+    assert ".zip" in str(event.get("blockagg_module")), event
+    assert "spark-submit" in " ".join(job.command())
