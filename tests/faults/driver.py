@@ -273,15 +273,23 @@ def stall_across_restart(job: Job, stack: StackControl, rng: random.Random) -> d
         str(record["partition"]))
     info.update(pid=pid, partition=f"{topic}[{partition}]",
                 blockagg_module=record.get("blockagg"))
-    with job.lock:
-        job.kill9()
-        job.start()
     with _metadata_store(job, stack) as store:
         stalled_at = store.committed(topic, partition)
-        # Newer commits: the restarted job's attempts moved the partition on.
-        info["newer_commits"] = _wait(
-            lambda: store.committed(topic, partition) != stalled_at, 300, poll=1)
-        info["committed_before_resume"] = str(store.committed(topic, partition))
+        with job.lock:
+            job.kill9()
+            job.start()
+        # Newer commits: the restarted job's attempts moved the partition past the
+        # stalled attempt's last commit (its recovery replays, then commits the end).
+        floor = -1 if stalled_at is None else stalled_at.offset
+
+        def moved_on() -> bool:
+            now = store.committed(topic, partition)
+            return now is not None and now.offset > floor
+
+        info["newer_commits"] = _wait(moved_on, 300, poll=1)
+        info["stalled_at"] = None if stalled_at is None else stalled_at.offset
+        info["committed_before_resume"] = getattr(store.committed(topic, partition),
+                                                  "offset", None)
     try:
         os.kill(pid, signal.SIGCONT)
         info["refused"] = ""

@@ -67,6 +67,7 @@ def _assert_fenced(event: dict[str, Any]) -> None:
     assert event.get("newer_commits"), f"the partition never moved on: {event}"
     assert "AttemptFenced" in event.get("refused", ""), f"the zombie was not refused: {event}"
     assert "newer attempt" in event["refused"]
+    assert event.get("zombie_exited"), f"the resumed attempt did not end: {event}"
 
 
 @pytest.mark.integration
@@ -105,9 +106,10 @@ def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
         spark.stop()
 
 
-def _stall_run(stack: StackControl, folder: Path, master: str,
+def _stall_run(stack: StackControl, folder: Path, master: str, seed: int,
                py_files: list[Path] | None = None) -> tuple[driver.Outcome, driver.Job]:
-    outcome, _, job = driver.run(stack, ["executor_stall"], faults=1, messages=1_500, seed=5,
+    """One ``executor_stall`` (seed 3 stalls after an intent, seed 5 after an insert)."""
+    outcome, _, job = driver.run(stack, ["executor_stall"], faults=1, messages=1_500, seed=seed,
                                  folder=folder, tables=4, partitions=2, rows_per_message=5,
                                  dead_every=41, settle_s=240, catch_up_s=300, master=master,
                                  py_files=py_files)
@@ -119,7 +121,8 @@ def _stall_run(stack: StackControl, folder: Path, master: str,
 @needs_job
 def test_stalled_attempt_is_fenced_local(stack: StackControl, tmp_path: Path) -> None:
     """Issue 13: a task stalled across a driver restart is refused once resumed."""
-    _stall_run(stack, tmp_path, "local[2,4]")
+    outcome, _ = _stall_run(stack, tmp_path, "local[2,4]", seed=3)
+    assert outcome.events[0]["step"] == "stall_after_commit"
 
 
 @pytest.mark.integration
@@ -129,7 +132,8 @@ def test_stalled_executor_is_fenced_on_a_standalone_cluster(
     """The same on a real standalone cluster (a master, two workers, the job submitted
     with spark-submit and the project shipped with --py-files): the stalled task ran in
     an executor JVM of a worker, importing blockagg from the shipped zip."""
-    outcome, job = _stall_run(stack, tmp_path, cluster.url, project_zips(tmp_path / "zips"))
+    outcome, job = _stall_run(stack, tmp_path, cluster.url, seed=5,
+                              py_files=project_zips(tmp_path / "zips"))
     (event,) = [e for e in outcome.events if e["kind"] == "executor_stall"]
     assert ".zip" in str(event.get("blockagg_module")), event
     assert "spark-submit" in " ".join(job.command())
