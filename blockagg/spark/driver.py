@@ -52,7 +52,7 @@ from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.exceptions import ConfigError
 from blockagg.spark.components import Components, DefaultComponents
-from blockagg.spark.exceptions import JobError, LockLost
+from blockagg.spark.exceptions import JobError
 from blockagg.spark.lock import GroupLock, check_metadata_group_idle
 from blockagg.spark.metrics import JobMetrics
 from blockagg.spark.offsets import (
@@ -207,12 +207,6 @@ class Driver:
             on_lost=self.on_lock_lost,
         )
         self.lock.acquire(self.config.job.lock_timeout)
-
-    def on_lock_lost(self, reason: str) -> None:
-        """The lock's membership expired (called from the lock's thread): stop between
-        batches and exit 1 with the reason, as for any failure."""
-        self.failure = LockLost(reason)
-        self.request_stop("lock membership lost")
 
     def check_tables(self, partitions: int) -> None:
         """The writer's startup check on each shard, over the tables the job can route
@@ -447,6 +441,12 @@ class Driver:
         if not self._stop_requested.is_set():
             logs.event(log, "stop requested", reason=reason)
         self._stop_requested.set()
+
+    def on_lock_lost(self, error: BaseException) -> None:
+        """The lock's membership expired (``LockLost``, from the lock's thread): stop
+        between batches and exit 1 with the reason, as for any failure."""
+        self.failure = error
+        self.request_stop("lock membership lost")
 
     def _update_lag(self) -> bool:
         """Lag gauges from the last progress; True when every partition is caught up."""

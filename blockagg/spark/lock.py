@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from blockagg.aggregator import logs
-from blockagg.spark.exceptions import JobLocked
+from blockagg.spark.exceptions import JobLocked, LockLost
 from blockagg.spark.offsets import TopicPartition
 
 log = logs.get("lock")
@@ -68,7 +68,7 @@ class GroupLock:
         owns: Callable[[str], bool],
         client_id: str,
         session_timeout_ms: int = 10_000,
-        on_lost: Callable[[str], None] | None = None,
+        on_lost: Callable[[LockLost], None] | None = None,
     ) -> None:
         from confluent_kafka import Consumer
 
@@ -140,7 +140,7 @@ class GroupLock:
             )
             log.warning("%s", reason)
             if self._on_lost_hook is not None:
-                self._on_lost_hook(reason)
+                self._on_lost_hook(LockLost(reason))
 
     def _poll(self) -> None:
         while not self._stop.is_set():

@@ -255,12 +255,12 @@ def _metadata_store(job: Job, stack: StackControl) -> Any:
 
 
 def stall_across_restart(job: Job, stack: StackControl, rng: random.Random) -> dict[str, Any]:
-    """Fault 9: a task attempt stalls (its Python worker SIGSTOPs itself after an intent
-    or an insert, having left the job's session), the driver is killed (-9) and
-    restarted, newer attempts commit the partition, then the stalled attempt is resumed
-    (SIGCONT). It must be refused (fenced) before it commits or inserts anything; what it
-    was told is recorded in ``refused``."""
-    step = rng.choice(["stall_after_commit", "stall_after_insert"])
+    """Fault 9: a task attempt stalls (its Python worker SIGSTOPs itself after an intent,
+    after an insert or before a commit, having left the job's session), the driver is
+    killed (-9) and restarted, newer attempts commit the partition, then the stalled
+    attempt is resumed (SIGCONT). It must be refused (fenced) before it commits or
+    inserts anything; what it was told is recorded in ``refused``."""
+    step = rng.choice(["stall_after_commit", "stall_after_insert", "stall_before_commit"])
     info: dict[str, Any] = {"step": step}
     before = len(hooks.stalled(job.hook_dir))
     job.arm(step)

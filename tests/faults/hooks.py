@@ -13,14 +13,16 @@ fails at one step of the protocol:
   inserted, the first one is in (a batch half delivered);
 * ``commit_fails``: a metadata commit raises as if the broker were unreachable, after
   a block of the partition was inserted since its previous commit.
-* ``stall_after_commit`` / ``stall_after_insert``: the task stalls (``SIGSTOP`` of its
-  own Python worker) right after an intent that lists blocks was committed, or right
-  after a block was inserted. It first leaves the job's process group and session
-  (``os.setsid``), so that neither a kill of the driver's process group nor Spark's
-  clean-up of a dead application's executor reaches it: an attempt that outlives its
-  driver. It records ``stalled-<n>.json`` (pid, partition, its last commit); the test
-  resumes it with ``SIGCONT`` after newer attempts committed, and every refusal it then
-  meets (:class:`AttemptFenced`) is recorded as ``fenced-<pid>.txt``.
+* ``stall_after_commit`` / ``stall_after_insert`` / ``stall_before_commit``: the task
+  stalls (``SIGSTOP`` of its own Python worker) right after an intent that lists blocks
+  was committed, right after a block was inserted, or just before the commit that
+  follows an insert (resumed, it sends that commit: the producer-epoch fence). It
+  first leaves the job's process group and session (``os.setsid``), so that neither a
+  kill of the driver's process group nor Spark's clean-up of a dead application's
+  executors reaches it: an attempt that outlives its driver. It records
+  ``stalled-<n>.json`` (pid, partition); the test resumes it with ``SIGCONT`` after
+  newer attempts committed, and every refusal it then meets (:class:`AttemptFenced`)
+  is recorded as ``fenced-<pid>.txt``.
 
 Control is by files, because tasks run in Spark's Python worker processes:
 ``BLOCKAGG_FAULT_DIR/armed`` names the step (the test writes it with :func:`arm` at the
@@ -54,7 +56,7 @@ from blockagg.spark.components import (
 )
 
 STEPS = ("after_commit", "after_insert", "between_blocks", "commit_fails",
-         "stall_after_commit", "stall_after_insert")
+         "stall_after_commit", "stall_after_insert", "stall_before_commit")
 
 
 class InjectedFault(RuntimeError):
@@ -109,7 +111,7 @@ class Plan:
     def stall(self, step: str, record: dict[str, object]) -> None:
         """At ``step`` (when armed and not used up): leave the job's session, record
         ``stalled-<n>.json`` and stop this process until someone sends SIGCONT."""
-        if self.step() != step:
+        if self.step() != step or not _in_spark_task():
             return
         n = self.claim()
         if n is None:
@@ -128,6 +130,14 @@ class Plan:
         """Record a refusal met by this process (a fenced attempt)."""
         with open(self.folder / f"fenced-{os.getpid()}.txt", "a") as out:
             out.write(f"{type(exc).__name__}: {exc}\n")
+
+
+def _in_spark_task() -> bool:
+    """Stalls are for task attempts in Spark's Python workers, never the driver (its
+    recovery runs the same code, outside any task)."""
+    from pyspark import TaskContext
+
+    return TaskContext.get() is not None
 
 
 def arm(folder: Path, step: str) -> None:
@@ -183,6 +193,8 @@ class FaultStore:
         if _INSERTED_SINCE_COMMIT.get(tp, 0) > 0:
             self.plan.fail("commit_fails",
                            f"commit of {topic}[{partition}] at {offset} (broker unreachable)")
+            self.plan.stall("stall_before_commit", {"topic": topic, "partition": partition,
+                                                    "offset": offset})
         try:
             self.inner.commit(topic, partition, offset, metadata)
         except AttemptFenced as exc:

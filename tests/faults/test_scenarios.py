@@ -108,7 +108,8 @@ def cluster(tmp_path: Path) -> Iterator[StandaloneCluster]:
 
 def _stall_run(stack: StackControl, folder: Path, master: str, seed: int,
                py_files: list[Path] | None = None) -> tuple[driver.Outcome, driver.Job]:
-    """One ``executor_stall`` (seed 3 stalls after an intent, seed 5 after an insert)."""
+    """One ``executor_stall`` (seed 3 stalls after an intent, so the insert is refused;
+    seed 5 before a commit, so the commit is)."""
     outcome, _, job = driver.run(stack, ["executor_stall"], faults=1, messages=1_500, seed=seed,
                                  folder=folder, tables=4, partitions=2, rows_per_message=5,
                                  dead_every=41, settle_s=240, catch_up_s=300, master=master,
@@ -123,6 +124,7 @@ def test_stalled_attempt_is_fenced_local(stack: StackControl, tmp_path: Path) ->
     """Issue 13: a task stalled across a driver restart is refused once resumed."""
     outcome, _ = _stall_run(stack, tmp_path, "local[2,4]", seed=3)
     assert outcome.events[0]["step"] == "stall_after_commit"
+    assert "the block was not inserted" in outcome.events[0]["refused"]
 
 
 @pytest.mark.integration
@@ -135,5 +137,7 @@ def test_stalled_executor_is_fenced_on_a_standalone_cluster(
     outcome, job = _stall_run(stack, tmp_path, cluster.url, seed=5,
                               py_files=project_zips(tmp_path / "zips"))
     (event,) = [e for e in outcome.events if e["kind"] == "executor_stall"]
+    assert event["step"] == "stall_before_commit"
+    assert "the commit of offset" in event["refused"]  # the producer epoch refused it
     assert ".zip" in str(event.get("blockagg_module")), event
     assert "spark-submit" in " ".join(job.command())

@@ -91,6 +91,9 @@ class FencedAttempt:
 
     Creating it fences every older attempt at the partition (see the module doc), so
     create it before reading anything the batch depends on. ``close()`` when done.
+    ``transaction_timeout_ms`` bounds how long an attempt stalled inside a commit's
+    transaction keeps it open (a read of the partition's commit waits for it until the
+    coordinator aborts it, or a newer attempt does): a commit takes milliseconds.
     """
 
     def __init__(
@@ -99,7 +102,7 @@ class FencedAttempt:
         topic: str,
         partition: int,
         *,
-        transaction_timeout_ms: int = 60_000,
+        transaction_timeout_ms: int = 10_000,
         producer_factory: Callable[[dict[str, Any]], TransactionalProducer] = Producer,
         retries: int = 8,
         backoff: float = 0.1,

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from blockagg.spark.exceptions import LockLost
 from blockagg.spark.lock import GroupLock
 
 
@@ -54,25 +55,24 @@ def test_lost_partitions_are_dropped_and_logged_as_a_lost_session(
 
 
 def test_lost_membership_tells_the_driver_once() -> None:
-    reasons: list[str] = []
+    reasons: list[LockLost] = []
     lock = GroupLock({"bootstrap.servers": "127.0.0.1:1"}, "g", ["t"], lambda t: t == "t",
                      client_id="test", on_lost=reasons.append)
     lock._assigned = {("t", 0), ("t", 1)}
     lock._held = True
     lock._on_lost(_Consumer(), [_Partition("t", 0), _Partition("t", 1)])
     lock._on_lost(_Consumer(), [])
-    assert len(reasons) == 1 and "g.lock membership lost" in reasons[0]
-    assert "this job stops" in reasons[0]
+    assert len(reasons) == 1 and "g.lock membership lost" in str(reasons[0])
+    assert "this job stops" in str(reasons[0])
 
 
 def test_a_driver_told_of_a_lost_lock_stops_with_the_reason() -> None:
     from blockagg.spark.driver import Driver
-    from blockagg.spark.exceptions import LockLost
 
     driver = Driver.__new__(Driver)
     driver._stop_requested = threading.Event()
     driver.failure = None
-    driver.on_lock_lost("lock group g.lock membership lost")
+    driver.on_lock_lost(LockLost("lock group g.lock membership lost"))
     assert driver._stop_requested.is_set()
     assert isinstance(driver.failure, LockLost) and "membership lost" in str(driver.failure)
 
