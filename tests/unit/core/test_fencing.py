@@ -5,19 +5,30 @@ commits, the older one's inserts stop at ``confirm``, a zombie can't duplicate r
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from blockagg.aggregator.core.exceptions import BatchEndsInsideReplayBlock
+from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Thresholds
-from blockagg.aggregator.core.protocol import CommitMetadata, InsertBlock, plan_batch, run_batch
+from blockagg.aggregator.core.protocol import (
+    CommitMetadata,
+    InsertBlock,
+    Plan,
+    plan_batch,
+    run_batch,
+)
 from blockagg.aggregator.kafka.exceptions import AttemptFenced, MetadataCommitError
 from blockagg.aggregator.kafka.fencing import FencedAttempt, transactional_id
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
-from tests.unit.core.fakes import DedupSink, expected_rows, make_batch
+from tests.unit.core.fakes import DedupSink, Message, expected_rows, make_batch
+from tests.unit.core.history import anomalies
 
 
 class Coordinator:
@@ -25,6 +36,7 @@ class Coordinator:
 
     def __init__(self) -> None:
         self.offsets: dict[tuple[str, int], tuple[int, str]] = {}
+        self.history: list[str] = []
         self.epochs: dict[str, int] = {}
         self.fail_next: list[KafkaError] = []
 
@@ -79,6 +91,7 @@ class TxnProducer:
         self._alive()
         for tp in self.pending:
             self.coordinator.offsets[(tp.topic, tp.partition)] = (tp.offset, tp.metadata)
+            self.coordinator.history.append(tp.metadata)
 
     def abort_transaction(self, timeout: float = 0) -> None:
         self._alive()
@@ -165,3 +178,98 @@ def test_a_zombie_resumed_after_a_newer_attempt_stores_nothing_twice() -> None:
     assert sink.rows == expected_rows(messages)
     last = store.committed(batch.topic, batch.partition)
     assert last is not None and last.offset == 40
+
+
+@dataclass(frozen=True)
+class Stalls:
+    messages: list[Message]
+    thresholds: Thresholds
+    sizes: list[int]
+    stalls: list[tuple[int, int, int, bool]]
+    """(batch step, operations done before stalling, batches until it resumes, whether
+    it resumes before that batch's newer attempt has committed anything)"""
+
+
+@st.composite
+def stalls(draw: st.DrawFn) -> Stalls:
+    tables = draw(st.integers(min_value=1, max_value=4))
+    offset = 0
+    messages: list[Message] = []
+    for _ in range(draw(st.integers(min_value=1, max_value=50))):
+        messages.append((offset, draw(st.integers(min_value=0, max_value=tables)),
+                         draw(st.integers(min_value=1, max_value=3))))
+        offset += draw(st.sampled_from([1, 1, 2]))
+    thresholds = Thresholds(max_rows=draw(st.integers(min_value=1, max_value=10)),
+                            max_bytes=10**9, max_metadata_bytes=4096)
+    sizes = draw(st.lists(st.integers(min_value=1, max_value=30), min_size=1, max_size=6))
+    stalled = draw(st.lists(st.tuples(st.integers(min_value=0, max_value=8),
+                                      st.integers(min_value=1, max_value=12),
+                                      st.integers(min_value=0, max_value=3),
+                                      st.booleans()), max_size=3))
+    return Stalls(messages, thresholds, sizes, stalled)
+
+
+def _resume_zombie(zombie: FencedAttempt, rest: Plan, coordinator: Coordinator,
+                   sink: DedupSink) -> None:
+    """Run a stalled attempt's remaining operations after a newer attempt opened: it is
+    refused before any commit of it lands, and inserts at most blocks the partition's
+    last commit lists (before the newer attempt has committed anything)."""
+    commits = len(coordinator.history)
+    inserted, deduplicated = len(sink.inserted), len(sink.deduplicated)
+    last = decode(coordinator.offsets[("events", 0)][1])
+    with pytest.raises(AttemptFenced):
+        run_batch(rest, zombie, sink, zombie)
+    assert len(coordinator.history) == commits
+    for block in [*sink.inserted[inserted:], *sink.deduplicated[deduplicated:]]:
+        listed = last.block_of(block.table_id)
+        assert listed is not None and (listed.first, listed.last) == (block.first, block.last)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(stalls())
+def test_stalled_attempts_resumed_later_change_nothing(scenario: Stalls) -> None:
+    """Attempts stall after a random number of their operations and resume (their
+    remaining operations) a random number of batches later, right after a newer attempt
+    opened or after it ran, while newer attempts, each opening its fenced attempt first,
+    replay and go on: every resumed attempt is refused before it commits, inserts
+    nothing the last commit does not list, and in the end every row is in exactly
+    once and the commit history has no anomaly."""
+    coordinator = Coordinator()
+    _, attempt = store_and_opener(coordinator)
+    sink = DedupSink(window=10**6)
+    log_end = scenario.messages[-1][0] + 1
+    stalled_at = {step: (done, wait, early) for step, done, wait, early in scenario.stalls}
+    zombies: list[tuple[int, bool, FencedAttempt, Plan]] = []
+    for step in range(200):
+        current = attempt("events", 0)
+        committed = current.committed("events", 0)
+        for zombie in [z for z in zombies if z[0] == step and z[1]]:
+            zombies.remove(zombie)
+            _resume_zombie(zombie[2], zombie[3], coordinator, sink)
+        resume = 0 if committed is None else committed.offset
+        if resume >= log_end:
+            for zombie in list(zombies):
+                _resume_zombie(zombie[2], zombie[3], coordinator, sink)
+            break
+        end = min(log_end, resume + scenario.sizes[step % len(scenario.sizes)])
+        batch = make_batch(scenario.messages, resume, max(end, resume + 1))
+        try:
+            plan = plan_batch(batch, committed, scenario.thresholds, 1, step)
+        except BatchEndsInsideReplayBlock:
+            batch = make_batch(scenario.messages, resume, log_end)
+            plan = plan_batch(batch, committed, scenario.thresholds, 1, step)
+        if step in stalled_at and len(plan.operations) > stalled_at[step][0]:
+            done, wait, early = stalled_at[step]
+            run_batch(replace(plan, operations=plan.operations[:done]), current, sink, current)
+            zombies.append((step + 1 + wait, early, current,
+                            replace(plan, operations=plan.operations[done:])))
+        else:
+            run_batch(plan, current, sink, current)
+        for zombie in [z for z in zombies if z[0] <= step]:
+            zombies.remove(zombie)
+            _resume_zombie(zombie[2], zombie[3], coordinator, sink)
+    else:
+        raise AssertionError("not delivered within 200 batches")
+    assert sink.rows == expected_rows(scenario.messages)
+    history = [decode(text) for text in coordinator.history if is_blockagg(text)]
+    assert anomalies(history) == []
