@@ -128,13 +128,6 @@ class StandaloneCluster:
             return []
         return [w for w in state.get("workers", []) if w.get("state") == "ALIVE"]
 
-    def executor_pids(self) -> list[int]:
-        """Pids of the executor JVMs the workers launched (any application)."""
-        out = subprocess.run(["pgrep", "-f", "CoarseGrainedExecutorBackend"],
-                             capture_output=True, text=True, check=False).stdout
-        mine = {p.pid for p in self.procs}
-        return [pid for pid in map(int, out.split()) if _parent(pid) in mine]
-
     def stop(self) -> None:
         """SIGTERM every master/worker session (executors included), then SIGKILL."""
         for proc in self.procs:
@@ -149,10 +142,3 @@ class StandaloneCluster:
             proc.wait(10)
         self.procs.clear()
 
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().split(") ", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
