@@ -58,6 +58,8 @@ CONSUMER_ONLY: Final = frozenset(
 class TransactionalProducer(Protocol):
     """The part of ``confluent_kafka.Producer`` an attempt uses."""
 
+    def list_topics(self, topic: str | None = ..., timeout: float = ...) -> Any: ...
+
     def init_transactions(self, timeout: float = ...) -> None: ...
 
     def begin_transaction(self) -> None: ...
@@ -120,6 +122,12 @@ class FencedAttempt:
         self._producer = producer_factory(producer_settings(
             store.settings, self.transactional_id, transaction_timeout_ms))
         try:
+            # Two metadata requests first: the first learns the brokers through the
+            # bootstrap connection, the second brings up a connection to a learned one.
+            # Without them librdkafka often looks for the transaction coordinator before
+            # any connection is up and waits its fixed 500 ms timer (docs/BENCHMARKS.md).
+            for _ in range(2):
+                self._producer.list_topics(topic, self._timeout)
             self._producer.init_transactions(self._timeout)
         except KafkaException as exc:
             raise MetadataCommitError(

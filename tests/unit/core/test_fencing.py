@@ -72,6 +72,9 @@ class TxnProducer:
         if self.coordinator.epochs[self.tid] != self.epoch:
             raise KafkaException(KafkaError(KafkaError._FENCED, fatal=True))
 
+    def list_topics(self, topic: str | None = None, timeout: float = 0) -> Any:
+        return SimpleNamespace(topics={topic: None})
+
     def init_transactions(self, timeout: float = 0) -> None:
         self.epoch = self.coordinator.epochs.get(self.tid, -1) + 1
         self.coordinator.epochs[self.tid] = self.epoch
