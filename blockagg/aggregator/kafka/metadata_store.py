@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
@@ -40,6 +40,9 @@ RETRIABLE_CODES: Final = frozenset(
 """Codes retried even when librdkafka does not flag them retriable."""
 
 _NO_OFFSET: Final = 0
+
+if TYPE_CHECKING:
+    from blockagg.aggregator.kafka.fencing import FencedAttempt
 
 R = TypeVar("R")
 
@@ -179,7 +182,7 @@ class KafkaMetadataStore:
         generation -1, which the coordinator accepts for a group without members."""
         return self._consumer.consumer_group_metadata()
 
-    def attempt(self, topic: str, partition: int) -> Any:
+    def attempt(self, topic: str, partition: int) -> FencedAttempt:
         """Open a fenced attempt at the partition (``fencing.FencedAttempt``): every
         older attempt's commits and inserts are refused from now on."""
         from blockagg.aggregator.kafka.fencing import FencedAttempt
