@@ -682,7 +682,7 @@ class RegistryCache:
         checked = int(self.clock() * 1000)
         if int(end()) != self._snapshot.position:
             return self.reload()
-        self.checked_at_ms = checked
+        self.checked_at_ms = self._snapshot.loaded_at_ms = checked
         return self._snapshot
 
     def position(self, newer: bool = False) -> int:
