@@ -376,7 +376,9 @@ class ClickHouseBlockWriter:
         """The insert's settings. ``dedup`` is the batch's pinned mode
         (``Pins.dedup``): the token is sent exactly when the block's first attempt sent
         it, whatever the server answering now supports, so an upgrade (or a failover
-        to a replica of another version) never gives a replay another identity.
+        to a replica of another version) never gives a replay another identity; a
+        replay pinned to ``BLOCK_HASH`` on a server with tokens refuses, since the
+        content hash itself changed across versions.
         ``UNPINNED`` (an intent written before pins existed) takes the server's mode,
         as before."""
         settings: dict[str, Any] = {"insert_deduplicate": 1, **self.config.extra_settings}
@@ -395,6 +397,17 @@ class ClickHouseBlockWriter:
                     f"replicas of ClickHouse {TOKEN_MIN_VERSION[0]}.{TOKEN_MIN_VERSION[1]}+ "
                     "(this block was not sent)")
             settings["insert_deduplication_token"] = block.token
+        elif mode == DedupMode.BLOCK_HASH and self.supports_token:
+            raise ClickHouseError(
+                f"block {block.token} was first inserted under content-hash deduplication, by "
+                "a server without insert_deduplication_token (pinned in its intent), but the "
+                f"server now answering is version {'.'.join(map(str, self.server_version))}: "
+                "servers compute a block's hash differently across versions (18.16 and 26 "
+                "give the same block different ids), so this replay might not be recognised "
+                "and could land twice. Let the replay run through a replica of the version "
+                "that first inserted it (finish the rolling upgrade after it), and before an "
+                "upgrade stop the job with SIGTERM, whose last commits are final (this block "
+                "was not sent)")
         return settings
 
     def block_columns(self, block: Block, batch: Batch) -> tuple[tuple[str, ...], list[list[Any]]]:

@@ -160,7 +160,6 @@ def dedup_batch(mode: int) -> tuple[Batch, Block]:
 
 @pytest.mark.parametrize(("version", "mode", "token"), [
     ("23.8.1", DedupMode.TOKEN, True),
-    ("23.8.1", DedupMode.BLOCK_HASH, False),     # first inserted on 18.16: hash it again
     ("23.8.1", DedupMode.UNPINNED, True),        # an intent from before pins: as before
     ("18.16.1", DedupMode.BLOCK_HASH, False),
     ("18.16.1", DedupMode.UNPINNED, False),
@@ -177,10 +176,15 @@ def test_the_token_is_sent_exactly_as_the_pinned_mode_says(version: str, mode: i
                                    else DedupMode.BLOCK_HASH)
 
 
-def test_a_token_pinned_batch_on_an_older_server_is_refused() -> None:
+@pytest.mark.parametrize(("version", "mode", "match"), [
+    ("18.16.1", DedupMode.TOKEN, "has no such setting"),
+    ("23.8.1", DedupMode.BLOCK_HASH, "compute a block's hash differently"),
+])
+def test_a_replay_on_a_server_of_the_other_side_of_the_token_boundary_is_refused(
+        version: str, mode: int, match: str) -> None:
     log: list[Any] = []
-    writer = make_writer({}, log, version="18.16.1")
-    batch, block = dedup_batch(DedupMode.TOKEN)
-    with pytest.raises(ClickHouseError, match="insert_deduplication_token"):
+    writer = make_writer({}, log, version=version)
+    batch, block = dedup_batch(mode)
+    with pytest.raises(ClickHouseError, match=match):
         writer.insert(block, batch)
     assert log == []
