@@ -87,10 +87,14 @@ def test_cli_check_failure_lists_mismatches() -> None:
     result = run(store, "--json", "check", "db.t", columns=altered)
     assert result.exit_code == 1
     mismatches = json.loads(result.stdout)["mismatches"]
-    assert len(mismatches) == 3
     assert any("column a UUID" in m for m in mismatches)
     assert any("column c" in m for m in mismatches)
     assert any("field b" in m for m in mismatches)
+    # Against the columns recorded at registration: each change the job would refuse.
+    assert any("column a is UUID, registered as Int32" in m for m in mismatches)
+    gone = {m.split()[3] for m in mismatches if "is gone since registration" in m}
+    assert gone == {"b", "_topic", "_partition", "_offset"}
+    assert len(mismatches) == 8
     result = run(store, "register", "db.u", "--proto", str(SAMPLE), "--message",
                  "blockagg.test.Inner", columns=altered)
     assert result.exit_code == 1 and not any(k == b"db.u" for k, _ in store.records)
