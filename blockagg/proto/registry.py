@@ -16,6 +16,14 @@ refused, so a bad write can't change what running jobs decode):
 * a new version must keep the table's compatibility mode (:mod:`proto.compat`;
   ``BACKWARD`` by default) against the registered versions, unless forced, and a
   forced version records the differences it overrode.
+
+Positions: the registry as a job pins it is the topic up to an end offset, its
+**position** (:attr:`Registry.position`; :func:`registry_pin` turns it into the
+metadata pin). Every version carries the position from which it is visible (1 + the
+offset of the record that introduced it, stamped on the version by every later
+record of the table), so :meth:`Registry.as_of` gives the registry exactly as it was
+at a position, whatever compaction removed since. A version also records the
+ClickHouse columns it was checked against, from which its insert plan is made.
 """
 
 from __future__ import annotations
@@ -59,6 +67,12 @@ class SchemaVersion:
     registered_at_ms: int = 0
     forced_incompatibilities: tuple[str, ...] = ()
     """The compatibility differences overridden with ``--force-incompatible``."""
+    position: int = 0
+    """The registry position from which the version is visible (1 + the offset of
+    the record that introduced it); 0 only in a record that introduces it."""
+    columns: tuple[tuple[str, str, str, str], ...] = ()
+    """The ClickHouse columns (name, type, default kind, default expression) the
+    version was checked against at registration; empty when not checked."""
 
     @cached_property
     def descriptor(self) -> Descriptor:
@@ -95,9 +109,20 @@ class Registration:
         for v in self.versions:
             if v.version == number:
                 return v
+        # The text goes into dead letters: a function of the message alone (no list of
+        # what happens to be registered), so a replayed dead letter is identical.
         raise UnknownVersion(
-            f"table {self.table} has no schema version {number}; registered: "
-            f"{', '.join(str(v.version) for v in self.versions)}")
+            f"table {self.table} has no schema version {number} in the schema registry; "
+            f"register it (ba-schema register {self.table}) or fix the producer's "
+            "schema_version")
+
+    def as_of(self, position: int) -> Registration | None:
+        """The registration as it was at registry ``position``: the versions visible
+        there, None when none was (the table was not registered yet)."""
+        visible = tuple(v for v in self.versions if v.position <= position)
+        if len(visible) == len(self.versions):
+            return self
+        return replace(self, versions=visible) if visible else None
 
     def resolve(self, number: int, timestamp_ms: int) -> SchemaVersion:
         """The version a message with ``schema_version = number`` and Kafka timestamp
@@ -133,7 +158,11 @@ class Registration:
             msg.versions.add(version=v.version, message_name=v.message_name,
                              file_descriptor_set=v.file_descriptor_set,
                              registered_at_ms=v.registered_at_ms,
-                             forced_incompatibilities=v.forced_incompatibilities)
+                             forced_incompatibilities=v.forced_incompatibilities,
+                             position=v.position,
+                             columns=[registry_pb2.Column(name=n, type=t, default_kind=k,
+                                                          default_expression=e)
+                                      for n, t, k, e in v.columns])
         return msg.SerializeToString(deterministic=True)
 
     @staticmethod
@@ -146,7 +175,10 @@ class Registration:
         if key is not None and key.decode("utf-8", "replace") != table:
             raise RegistryError(f"registry record key {key!r} does not match table {table!r}")
         versions = tuple(SchemaVersion(v.version, v.message_name, v.file_descriptor_set,
-                                       v.registered_at_ms, tuple(v.forced_incompatibilities))
+                                       v.registered_at_ms, tuple(v.forced_incompatibilities),
+                                       v.position,
+                                       tuple((c.name, c.type, c.default_kind,
+                                              c.default_expression) for c in v.columns))
                          for v in msg.versions)
         numbers = [v.version for v in versions]
         if not versions or numbers != sorted(set(numbers)) or numbers[0] < 1:
@@ -157,10 +189,16 @@ class Registration:
         return Registration(table, msg.table_id, versions, msg.compatibility)
 
 
+Entry = tuple[int, bytes | None, bytes | None]
+"""One registry record: (offset, key, value)."""
+
+
 class Store(Protocol):
     """Where registrations live: ``read`` returns every (key, value) record of the
     topic in order, up to its end at the time of the call; ``write`` returns once
-    the record is durably written."""
+    the record is durably written. Stores that also have ``scan()`` (the records
+    with their offsets, and the end offset read up to) and ``end()`` (the current
+    end offset, cheaply) give positions: :class:`KafkaStore`, :class:`MemoryStore`."""
 
     def read(self) -> list[tuple[bytes | None, bytes | None]]: ...
 
@@ -169,15 +207,43 @@ class Store(Protocol):
 
 @dataclass
 class MemoryStore:
-    """A :class:`Store` in memory, for tests."""
+    """A :class:`Store` in memory, for tests; a record's offset is its index."""
 
     records: list[tuple[bytes | None, bytes | None]] = field(default_factory=list)
 
     def read(self) -> list[tuple[bytes | None, bytes | None]]:
         return list(self.records)
 
+    def scan(self) -> tuple[list[Entry], int]:
+        return [(i, k, v) for i, (k, v) in enumerate(self.records)], len(self.records)
+
+    def end(self) -> int:
+        return len(self.records)
+
     def write(self, key: bytes, value: bytes) -> None:
         self.records.append((key, value))
+
+
+def scan(store: Store) -> tuple[list[Entry], int]:
+    """The store's records with their offsets and the end offset read up to (a
+    store without ``scan`` numbers its records)."""
+    method = getattr(store, "scan", None)
+    if method is not None:
+        entries, end = method()
+        return list(entries), int(end)
+    records = store.read()
+    return [(i, k, v) for i, (k, v) in enumerate(records)], len(records)
+
+
+def registry_pin(position: int) -> int:
+    """The metadata pin (``Pins.registry``) of registry ``position``: 1 + it, so
+    that 0 keeps meaning "not pinned" even for an empty registry."""
+    return position + 1
+
+
+def pinned_position(pin: int) -> int:
+    """The registry position a non-zero ``Pins.registry`` names."""
+    return pin - 1
 
 
 class KafkaStore:
@@ -189,6 +255,7 @@ class KafkaStore:
         self.config = dict(config)
         self.topic = topic
         self.timeout_s = timeout_s
+        self._watcher: Any = None
 
     def ensure_topic(self, replication_factor: int = -1) -> None:
         """Create the topic (1 partition, ``cleanup.policy=compact``) if missing."""
@@ -209,6 +276,33 @@ class KafkaStore:
                     raise RegistryError(f"can't create registry topic {self.topic}: {exc}") from exc
 
     def read(self) -> list[tuple[bytes | None, bytes | None]]:
+        return [(k, v) for _, k, v in self.scan()[0]]
+
+    def end(self) -> int:
+        """The topic's end offset now (one watermark request on a kept consumer):
+        whether a snapshot is current, without reading the topic."""
+        from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+        try:
+            if self._watcher is None:
+                self._watcher = Consumer({**self.config,
+                                          "group.id": f"blockagg-registry-{uuid.uuid4().hex}",
+                                          "enable.auto.commit": False})
+            md = self._watcher.list_topics(self.topic, timeout=self.timeout_s)
+            topic = md.topics.get(self.topic)
+            if topic is None or topic.error is not None:
+                return 0
+            _single_partition(self.topic, len(topic.partitions))
+            _, high = self._watcher.get_watermark_offsets(TopicPartition(self.topic, 0),
+                                                          timeout=self.timeout_s)
+            return int(high)
+        except KafkaException as exc:
+            raise RegistryError(f"can't read the end of registry topic {self.topic}: "
+                                f"{exc}") from exc
+
+    def scan(self) -> tuple[list[Entry], int]:
+        """Every record with its offset, up to the end offset at the time of the call,
+        and that end offset (the registry position the records cover)."""
         from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
         conf = {**self.config, "group.id": f"blockagg-registry-{uuid.uuid4().hex}",
@@ -219,18 +313,18 @@ class KafkaStore:
             md = consumer.list_topics(self.topic, timeout=self.timeout_s)
             topic = md.topics.get(self.topic)
             if topic is None or topic.error is not None:
-                return []
+                return [], 0
+            _single_partition(self.topic, len(topic.partitions))
             ends: dict[int, int] = {}
             parts = []
-            for p in sorted(topic.partitions):
-                low, high = consumer.get_watermark_offsets(
-                    TopicPartition(self.topic, p), timeout=self.timeout_s)
-                if high > low:
-                    ends[p] = high
-                    parts.append(TopicPartition(self.topic, p, low))
-            records: list[tuple[bytes | None, bytes | None]] = []
+            low, high = consumer.get_watermark_offsets(
+                TopicPartition(self.topic, 0), timeout=self.timeout_s)
+            if high > low:
+                ends[0] = high
+                parts.append(TopicPartition(self.topic, 0, low))
+            records: list[Entry] = []
             if not parts:
-                return records
+                return records, int(high)
             consumer.assign(parts)
             deadline = time.monotonic() + self.timeout_s
             while ends:
@@ -247,10 +341,11 @@ class KafkaStore:
                         ends.pop(partition, None)
                         continue
                     raise RegistryError(f"reading {self.topic}: {error}")
-                records.append((msg.key(), msg.value()))
-                if int(msg.offset() or 0) + 1 >= ends.get(partition, 0):
+                offset = int(msg.offset() or 0)
+                records.append((offset, msg.key(), msg.value()))
+                if offset + 1 >= ends.get(partition, 0):
                     ends.pop(partition, None)
-            return records
+            return records, int(high)
         except KafkaException as exc:
             raise RegistryError(f"can't read registry topic {self.topic}: {exc}") from exc
         finally:
@@ -275,45 +370,84 @@ class KafkaStore:
                                 f"{self.topic}: {errors or 'timeout'}")
 
 
+def _single_partition(topic: str, partitions: int) -> None:
+    if partitions != 1:
+        raise RegistryError(
+            f"registry topic {topic} has {partitions} partitions; it must have exactly one "
+            "(positions and the order of registrations are per partition): point "
+            "[schemas] topic at a topic with one partition and cleanup.policy=compact")
+
+
 class Registry:
     """A snapshot of every registration, read from a :class:`Store`.
 
     ``loaded_at_ms`` is when the snapshot was read (wall clock of the reader; 0 when
     unknown): every registration written before it is in the snapshot. A message
     whose resolution could depend on a later registration (:meth:`covers` is False)
-    should be resolved on a fresh snapshot (:class:`RegistryCache`).
+    should be resolved on a fresh snapshot (:class:`RegistryCache`). ``position`` is
+    the end offset of the registry topic the snapshot covers; :meth:`as_of` gives the
+    registry at an earlier position.
     """
 
     def __init__(self, registrations: Mapping[str, Registration],
-                 loaded_at_ms: int = 0) -> None:
+                 loaded_at_ms: int = 0, position: int = 0) -> None:
         self._by_table = dict(registrations)
         self._by_id = {r.table_id: r for r in self._by_table.values()}
         self.loaded_at_ms = loaded_at_ms
+        self.position = position
 
     @classmethod
     def from_records(cls, records: Iterable[tuple[bytes | None, bytes | None]],
                      loaded_at_ms: int = 0) -> Registry:
-        """Apply records in order; records that break the rules are skipped with a
-        warning (so running jobs keep decoding with what they had)."""
+        """:meth:`from_log` of records numbered from offset 0."""
+        entries = [(i, k, v) for i, (k, v) in enumerate(records)]
+        return cls.from_log(entries, len(entries), loaded_at_ms)
+
+    @classmethod
+    def from_log(cls, entries: Iterable[Entry], position: int,
+                 loaded_at_ms: int = 0) -> Registry:
+        """Apply records in offset order, up to ``position``; records that break the
+        rules are skipped with a warning (so running jobs keep decoding with what they
+        had). A version's visibility position is the one stamped on it, or for the
+        version a record introduces, 1 + that record's offset."""
         current: dict[str, Registration] = {}
-        for key, value in records:
+        for offset, key, value in entries:
             if value is None:
                 log.warning("ignoring tombstone for %r in the registry: table ids are never "
                             "released", key)
                 continue
             try:
-                reg = Registration.decode(key, value)
+                reg = _positioned(Registration.decode(key, value), offset, current)
                 _check_successor(current.get(reg.table), reg, current)
             except RegistryError as exc:
-                log.warning("ignoring registry record: %s", exc)
+                log.warning("ignoring registry record at offset %d: %s", offset, exc)
                 continue
             current[reg.table] = reg
-        return cls(current, loaded_at_ms)
+        return cls(current, loaded_at_ms, position)
 
     @classmethod
     def load(cls, store: Store, clock: Callable[[], float] = time.time) -> Registry:
         started = int(clock() * 1000)
-        return cls.from_records(store.read(), started)
+        entries, end = scan(store)
+        return cls.from_log(entries, end, started)
+
+    def as_of(self, position: int) -> Registry:
+        """The registry exactly as it was at ``position`` (at most :attr:`position`):
+        only the versions visible there, whatever was registered since. A pure
+        function of the append-only history, so a replay pinned to a position decides
+        as its first attempt did."""
+        if position > self.position:
+            raise RegistryError(
+                f"registry snapshot at position {self.position} can't show position "
+                f"{position}; re-read the registry topic first")
+        if position == self.position:
+            return self
+        visible = {}
+        for table, reg in self._by_table.items():
+            seen = reg.as_of(position)
+            if seen is not None:
+                visible[table] = seen
+        return Registry(visible, self.loaded_at_ms, position)
 
     def covers(self, timestamp_ms: int) -> bool:
         """True when no registration made after this snapshot can change how a
@@ -385,19 +519,23 @@ class Registry:
             # highest version registered by T, and a new version never takes effect
             # for messages stamped before an existing one did.
             stamp = max(stamp, max(v.registered_at_ms for v in old.versions) + 1)
+        recorded = () if columns is None else tuple(
+            (c.name, c.type, c.default_kind, c.default_expression) for c in columns)
         if old is None:
             table_id = max(self._by_id, default=0) + 1
             mode = "" if compatibility is None else compatibility.value
-            return Registration(table, table_id, (SchemaVersion(1, message_name,
-                                                                file_descriptor_set, stamp),),
-                                mode)
+            return Registration(table, table_id, (SchemaVersion(
+                1, message_name, file_descriptor_set, stamp, columns=recorded),), mode)
         if compatibility is not None and compatibility != old.mode:
             raise CompatibilityError(
                 f"{table} has compatibility mode {old.mode}, not {compatibility}; change it "
                 f"first with ba-schema compatibility {table} {compatibility}")
         latest = old.latest
         if (latest.message_name, latest.file_descriptor_set) == (message_name,
-                                                                 file_descriptor_set):
+                                                                 file_descriptor_set) and (
+                latest.columns or not recorded):
+            # Identical: a no-op, unless it records the columns the latest version was
+            # registered without (a new version, so its plan is pinned from now on).
             return None
         from blockagg.proto.compat import check
 
@@ -407,7 +545,25 @@ class Registry:
             raise IncompatibleSchema(table, old.mode.value, differences)
         return Registration(table, old.table_id, (*old.versions, SchemaVersion(
             latest.version + 1, message_name, file_descriptor_set, stamp,
-            tuple(differences))), old.compatibility)
+            tuple(differences), columns=recorded)), old.compatibility)
+
+
+def _positioned(reg: Registration, offset: int,
+                current: Mapping[str, Registration]) -> Registration:
+    """``reg`` (read at ``offset``) with every version's visibility position: as
+    stamped, else as the table's earlier record resolved it, else ``offset + 1`` (the
+    version this record introduces, or one of a record written before positions were
+    stamped)."""
+    old = current.get(reg.table)
+    known = {v.version: v.position for v in old.versions} if old is not None else {}
+    versions = []
+    for v in reg.versions:
+        if v.position > offset + 1:
+            raise RegistryError(f"{reg.table} version {v.version} claims position "
+                                f"{v.position}, after its own record at offset {offset}")
+        position = v.position or known.get(v.version, offset + 1)
+        versions.append(v if v.position == position else replace(v, position=position))
+    return replace(reg, versions=tuple(versions))
 
 
 def _check_successor(old: Registration | None, new: Registration,
@@ -448,8 +604,7 @@ def register(store: Store, table: str, message_name: str, file_descriptor_set: b
         log.warning("registering %s version %d against its %s compatibility mode "
                     "(--force-incompatible): %s", table, new.latest.version, new.mode.value,
                     "; ".join(new.latest.forced_incompatibilities))
-    _write(store, new)
-    return new, True
+    return _write(store, new), True
 
 
 def set_compatibility(store: Store, table: str, mode: Mode) -> tuple[Registration, bool]:
@@ -460,36 +615,49 @@ def set_compatibility(store: Store, table: str, mode: Mode) -> tuple[Registratio
     if old.compatibility == mode.value:
         return old, False
     new = replace(old, compatibility=mode.value)
-    _write(store, new)
-    return new, True
+    return _write(store, new), True
 
 
-def _write(store: Store, new: Registration) -> None:
+def _write(store: Store, new: Registration) -> Registration:
+    """Write ``new``; return it as read back (with the new version's position)."""
     store.write(new.table.encode(), new.encode())
     after = Registry.load(store).get(new.table)
-    if after != new:
+    stamped = {v.version for v in new.versions if v.position}
+    if replace(after, versions=tuple(v if v.version in stamped else replace(v, position=0)
+                                     for v in after.versions)) != new:
         raise RegistryError(
             f"a concurrent registration of {new.table} won (now version "
             f"{after.latest.version}, id {after.table_id}); check with ba-schema show "
             f"{new.table} and retry")
+    return after
 
 
 class RegistryCache:
     """The registry as a long-lived process (a Spark worker) sees it: one snapshot,
     re-read from the store only when a decision needs a newer one.
 
-    * :meth:`for_messages` returns a snapshot that is fresh enough for messages with
-      the given timestamps: re-read when one of them is not :meth:`Registry.covers`
-      by the current snapshot, so version 0 resolves on a snapshot that holds every
-      version registered up to the message's time;
-    * :meth:`table_id` (``spark.components.TableRegistry``) and :meth:`reload` re-read
-      on an unknown table or version, so a fresh registration is seen at once.
+    * :meth:`position` is the registry position a new batch is pinned to: the
+      snapshot's, after checking the topic's end (:meth:`refresh`) when
+      ``refresh_interval_s`` has passed since the last check or the caller knows the
+      snapshot is too old (a message names a table or version it lacks, or is
+      stamped after the last check); the check reads the topic again only when its
+      end moved;
+    * :meth:`at` is the registry as of a pinned position (a replay's): re-read when
+      the snapshot is behind it, so a worker that never saw a table or version
+      another worker pinned reads up to it first;
+    * :meth:`for_messages`, :meth:`table_id` and :meth:`reload` as before.
     """
 
-    def __init__(self, store: Store, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float] = time.time,
+                 refresh_interval_s: float = 10.0) -> None:
         self.store = store
         self.clock = clock
+        self.refresh_interval_s = refresh_interval_s
         self._snapshot: Registry | None = None
+        self._views: dict[int, Registry] = {}
+        self.checked_at_ms = 0
+        """Wall clock (ms) of the last check: every record acknowledged before it is in
+        the snapshot."""
         self.reloads = 0
 
     def current(self) -> Registry:
@@ -498,9 +666,49 @@ class RegistryCache:
         return self._snapshot
 
     def reload(self) -> Registry:
-        self._snapshot = Registry.load(self.store, self.clock)
+        self.checked_at_ms = int(self.clock() * 1000)
+        self._snapshot = Registry.load(self.store, lambda: self.checked_at_ms / 1000)
+        self._views.clear()
         self.reloads += 1
         return self._snapshot
+
+    def refresh(self) -> Registry:
+        """Check the topic's end; re-read it only when it moved past the snapshot."""
+        if self._snapshot is None:
+            return self.reload()
+        end = getattr(self.store, "end", None)
+        if end is None:
+            return self.reload()
+        checked = int(self.clock() * 1000)
+        if int(end()) != self._snapshot.position:
+            return self.reload()
+        self.checked_at_ms = self._snapshot.loaded_at_ms = checked
+        return self._snapshot
+
+    def position(self, newer: bool = False) -> int:
+        """The registry position to pin a new batch to (see the class doc)."""
+        due = self.clock() * 1000 - self.checked_at_ms >= self.refresh_interval_s * 1000
+        snapshot = self.refresh() if newer or due or self._snapshot is None else self._snapshot
+        return snapshot.position
+
+    def at(self, position: int) -> Registry:
+        """The registry as of ``position``; raises :class:`RegistryError` when the
+        topic no longer reaches it (recreated or truncated)."""
+        snapshot = self.current()
+        if snapshot.position < position:
+            snapshot = self.reload()
+        if snapshot.position < position:
+            raise RegistryError(
+                f"the committed metadata pins the schema registry at position {position}, "
+                f"but the registry topic ends at {snapshot.position}: it was recreated or "
+                "truncated, so the blocks of the last intent can't be rebuilt as they were "
+                "first decided. Restore the registry topic (same records, same order), or "
+                "acknowledge with kafka-consumer-groups.sh --reset-offsets (see "
+                "docs/protocol.md, 'What a replay depends on')")
+        view = self._views.get(position)
+        if view is None:
+            view = self._views[position] = snapshot.as_of(position)
+        return view
 
     def for_messages(self, timestamps_ms: Iterable[int]) -> Registry:
         snapshot = self.current()
@@ -520,4 +728,5 @@ def from_config(config: Any) -> RegistryCache:
     """The registry of a job configuration (``aggregator.config.Config``): the
     ``[schemas] topic`` read with the job's Kafka client settings."""
     return RegistryCache(KafkaStore(dict(config.kafka.librdkafka_config()),
-                                    config.schemas.topic))
+                                    config.schemas.topic),
+                         refresh_interval_s=config.schemas.refresh_interval)

@@ -28,6 +28,12 @@ class TableRegistry(Protocol):
 
 
 class Components(Protocol):
+    """The adapters of a task. Optional, read with ``getattr`` by
+    :func:`spark.task.current_pins` (a test double may leave them out, which leaves
+    those pins 0): ``incarnation(config, topic_name) -> int`` (the topic's
+    :func:`~aggregator.core.metadata.incarnation_of`) and ``dedup_mode(config,
+    topic) -> DedupMode`` (the shard server's)."""
+
     def store(self, config: Config) -> MetadataStore: ...
 
     def sink(self, config: Config, topic: TopicConfig) -> BlockSink: ...
@@ -89,6 +95,21 @@ class DefaultComponents:
 
         result: TableRegistry = cached(("registry", config.schemas.topic), make)
         return result
+
+    def incarnation(self, config: Config, topic: str) -> int:
+        """The topic's current incarnation, read from Kafka at every batch (a
+        recreated topic must be noticed by the next one)."""
+        def make() -> Any:
+            from blockagg.aggregator.kafka.incarnation import TopicIncarnations
+
+            return TopicIncarnations(config.kafka.librdkafka_config())
+
+        reader = cached(("incarnations", config.kafka.bootstrap_servers), make)
+        return int(reader.of(topic))
+
+    def dedup_mode(self, config: Config, topic: TopicConfig) -> int:
+        """How the shard's server recognises a retried block now (asked per batch)."""
+        return int(describer(config, topic).dedup_mode())
 
 
 def make_writer(config: Config, topic: TopicConfig) -> Any:

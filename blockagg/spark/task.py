@@ -7,11 +7,14 @@ record) and ``run_partition(ctx, rows)`` the ``rdd.mapPartitions`` one (``"rows"
 pickled ``Row`` per record); both feed :func:`run_range` the same lists. The Kafka source
 gives each Kafka topic-partition range its own Spark partition (``minPartitions`` and
 ``maxRecordsPerPartition`` are refused by the configuration), in offset order; the
-task checks both and refuses rows that break them. It builds a :class:`Batch` over
-the planned ``[start, end)`` range (envelope -> table id; unregistered tables and
-malformed envelopes -> the dead-letter table, id 0), reads the partition's last
-commit, runs the core protocol (REPLAY, then CONSUME) with the shard's writer as the
-sink, and returns figures. ``run_range(ctx, tp, [])`` is the same for a planned range
+task checks both and refuses rows that break them. It reads the partition's last
+commit FIRST, takes the pins the batch must be prepared under (:func:`current_pins`,
+then :func:`~aggregator.core.protocol.batch_pins`: a replay keeps its intent's
+registry position, topic incarnation and deduplication mode), builds a
+:class:`Batch` over the planned ``[start, end)`` range under them (envelope -> table
+id; unregistered tables and malformed envelopes -> the dead-letter table, id 0),
+runs the core protocol (REPLAY, then CONSUME) with the shard's writer as the sink,
+and returns figures. ``run_range(ctx, tp, [])`` is the same for a planned range
 without a visible row (only transaction markers or aborted records): the driver runs
 it, so the final metadata of that range is still committed.
 """
@@ -31,7 +34,7 @@ import pyarrow.compute as pc
 
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
 from blockagg.aggregator.config import Config, TopicConfig
-from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
+from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, NO_PINS, Pins
 from blockagg.aggregator.core.model import (
     Batch,
     Block,
@@ -40,7 +43,7 @@ from blockagg.aggregator.core.model import (
     MetadataStore,
     Thresholds,
 )
-from blockagg.aggregator.core.protocol import process_batch
+from blockagg.aggregator.core.protocol import batch_pins, plan_batch, run_batch
 from blockagg.proto.envelope import Parsed, Rejected, parse_envelope
 from blockagg.spark.components import Components, TableRegistry, cached, describer
 from blockagg.spark.exceptions import TaskContractError
@@ -90,6 +93,7 @@ def build_batch(
     timestamps_ms: Sequence[int],
     registry: TableRegistry,
     dead_letter_table: str,
+    pins: Pins = NO_PINS,
 ) -> Batch:
     """The core's columnar :class:`Batch` for one partition's rows (offset order).
 
@@ -135,6 +139,7 @@ def build_batch(
         sizes=sizes,
         payloads=payloads,
         tables=tables,
+        pins=pins,
     )
 
 
@@ -144,11 +149,46 @@ def live_columns(config: Config, topic: TopicConfig, table: str) -> Any:
     :class:`~aggregator.clickhouse.exceptions.DedupNotConfigured` otherwise, which
     fails the task before anything of the batch is committed or inserted (the
     driver's startup check only warns about registered tables, since the registry
-    may hold tables this job never receives). ``TableNotFound`` makes the message a
-    dead letter, as before. Called once per table per worker (``Plans`` caches)."""
+    may hold tables this job never receives), and ``TableNotFound`` refuses the batch
+    too (a dead letter must not depend on the live server). Called once per table per
+    ``[schemas] refresh_interval`` per worker (``Plans`` caches)."""
     writer = describer(config, topic)
     writer.check_tables([table])
     return writer.describe(table).columns
+
+
+def positioned(registry: Any) -> bool:
+    """Whether ``registry`` pins positions (:class:`proto.registry.RegistryCache`)."""
+    return all(hasattr(registry, m) for m in ("current", "position", "at"))
+
+
+def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
+                 registry: Any, parsed: Sequence[Parsed | Rejected],
+                 timestamps_ms: Sequence[int]) -> Pins:
+    """What a batch that replays nothing is prepared under now.
+
+    * ``registry``: 1 + the registry topic's end offset the worker's snapshot covers,
+      checked first when ``[schemas] refresh_interval`` has passed or a message needs
+      a newer snapshot (:func:`aggregator.clickhouse.prepare.needs_newer`);
+    * ``incarnation``: ``incarnation_of(cluster id, topic id)``, read from Kafka;
+    * ``dedup``: the shard's server mode (token or content hash).
+
+    Components without ``incarnation``/``dedup_mode`` (test doubles) leave those 0,
+    and a registry without positions leaves ``registry`` 0: unpinned, as before."""
+    from blockagg.aggregator.clickhouse.prepare import needs_newer
+    from blockagg.proto.registry import registry_pin
+
+    position = 0
+    if positioned(registry):
+        snapshot = registry.current()
+        newer = any(isinstance(p, Parsed) and needs_newer(snapshot, p.table, p.version, ts)
+                    for p, ts in zip(parsed, timestamps_ms, strict=True))
+        position = registry_pin(registry.position(newer))
+    incarnation = getattr(components, "incarnation", None)
+    dedup = getattr(components, "dedup_mode", None)
+    return Pins(registry=position,
+                incarnation=int(incarnation(config, name)) if incarnation else 0,
+                dedup=int(dedup(config, topic)) if dedup else 0)
 
 
 def prepare_batch(
@@ -159,28 +199,47 @@ def prepare_batch(
     values: Sequence[bytes | None],
     timestamps_ms: Sequence[int],
     registry: Any,
+    pins: Pins = NO_PINS,
+    parsed: Sequence[Parsed | Rejected] | None = None,
 ) -> Batch:
     """The :class:`Batch` through the data path (``aggregator.clickhouse.prepare``):
-    envelope, registry, vectorised decoding against the live columns, dead letters."""
+    envelope, registry as of ``pins.registry``, vectorised decoding with each version's
+    registered columns (checked against the live ones), dead letters.
+
+    ``pins.registry`` 0 (not pinned) decides with the worker's snapshot, re-read
+    when a message needs a newer one, as before pins existed."""
     from blockagg.aggregator.clickhouse.prepare import Message as Record
-    from blockagg.aggregator.clickhouse.prepare import Plans, prepare
+    from blockagg.aggregator.clickhouse.prepare import Plans, needs_newer, prepare
+    from blockagg.proto.registry import pinned_position
 
     plans: Plans = cached(
         ("plans", topic.label, str(id(registry))),
         lambda: Plans(registry.current(),
                       columns=lambda table: live_columns(config, topic, table),
-                      reload=registry.reload),
+                      columns_ttl_s=config.schemas.refresh_interval),
     )
+    plans.expire_live()
     records = [Record(int(o), int(t), v)
                for o, v, t in zip(offsets, values, timestamps_ms, strict=True)]
-    prepared = prepare(rng.topic, rng.partition, records, plans, config.dead_letters.table)
+    if parsed is None:
+        parsed = [parse_envelope(v) for v in values]
+    if pins.registry and positioned(registry):
+        plans.registry = registry.at(pinned_position(pins.registry))
+    else:
+        snapshot = registry.current()
+        if any(isinstance(p, Parsed) and needs_newer(snapshot, p.table, p.version, ts)
+               for p, ts in zip(parsed, timestamps_ms, strict=True)):
+            snapshot = registry.reload()
+        plans.registry = snapshot
+    prepared = prepare(rng.topic, rng.partition, records, plans, config.dead_letters.table,
+                       parsed=parsed)
     n = len(offsets)
     start = rng.start if rng.exact_start or n == 0 else min(rng.start, offsets[0])
     return Batch(
         topic=rng.topic, partition=rng.partition, start=start, end=rng.end,
         offsets=prepared.offsets, table_ids=prepared.table_ids,
         row_counts=prepared.row_counts, sizes=prepared.sizes,
-        payloads=prepared.payloads, tables=prepared.tables,
+        payloads=prepared.payloads, tables=prepared.tables, pins=pins,
     )
 
 
@@ -259,20 +318,28 @@ def run_range(
         )
     registry = ctx.components.registry(config)
     topic_config = config.topic_for(tp[0])
-    if hasattr(registry, "reload") and hasattr(registry, "current"):
+    store = _MeasuredStore(ctx.components.store(config))
+    sink = _MeasuredSink(ctx.components.sink(config, topic_config))
+    # The last commit first: a replay must be prepared under its intent's pins.
+    committed = store.committed(tp[0], tp[1])
+    full = hasattr(registry, "reload") and hasattr(registry, "current")
+    parsed = [parse_envelope(v) for v in values] if full else []
+    current = current_pins(ctx.components, config, topic_config, tp[0], registry, parsed,
+                           timestamps_ms if full else [])
+    pins = batch_pins(tp[0], tp[1], committed, current)
+    if full:
         batch = prepare_batch(config, topic_config, rng, offsets, values, timestamps_ms,
-                              registry)
+                              registry, pins, parsed)
     else:
         batch = build_batch(rng, offsets, values, timestamps_ms, registry,
-                            config.dead_letters.table)
+                            config.dead_letters.table, pins)
     # The dead-letter rate is judged by the driver over whole batches (a window of
     # them, from dead_letters.min_messages on), after they are delivered: a partition's
     # share alone says little (1 bad message of 1 is 100%).
-    store = _MeasuredStore(ctx.components.store(config))
-    sink = _MeasuredSink(ctx.components.sink(config, topic_config))
     thresholds = Thresholds(config.blocks.max_rows, config.blocks.max_bytes,
                             config.job.offset_metadata_max_bytes)
-    report = process_batch(batch, store, sink, thresholds, ctx.run_id, ctx.batch_id)
+    plan = plan_batch(batch, committed, thresholds, ctx.run_id, ctx.batch_id)
+    report = run_batch(plan, store, sink)
     consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dead_letters: dict[str, int] = defaultdict(int)
     for i, message in enumerate(batch.payloads):

@@ -166,6 +166,14 @@ class FaultComponents:
     def registry(self, config: Config) -> TableRegistry:
         return self.inner.registry(config)
 
+    def incarnation(self, config: Config, topic: str) -> int:
+        of = getattr(self.inner, "incarnation", None)
+        return int(of(config, topic)) if of else 0
+
+    def dedup_mode(self, config: Config, topic: TopicConfig) -> int:
+        mode = getattr(self.inner, "dedup_mode", None)
+        return int(mode(config, topic)) if mode else 0
+
 
 def from_env() -> FaultComponents:
     """``BLOCKAGG_COMPONENTS=tests.faults.hooks:from_env``."""

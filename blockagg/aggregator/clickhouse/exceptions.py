@@ -58,3 +58,9 @@ class DeadLetterRateExceeded(ClickHouseError):
             "with their reason. Fix the producers or the schema registry (ba-schema list, "
             "ba-schema check TABLE), then restart the job; or raise dead_letters.max_rate "
             "if this share is expected")
+
+
+class ColumnsChanged(ClickHouseError):
+    """The live table no longer has a column, with its type, that a registered
+    version's insert plan writes: inserting would change what a replay sends, so the
+    batch is refused before anything is committed or inserted."""

@@ -2,12 +2,19 @@
 registry lookup, vectorised decoding per (table, version), and dead letters.
 
 :func:`prepare` returns the per-message arrays a :class:`aggregator.core.model.Batch`
-needs. Every decision is a pure function of the messages, the registry snapshot and
-the live columns captured at startup, so a replayed micro-batch prepares identically.
+needs. Every decision is a pure function of the messages and the registry as of the
+batch's pinned position (``Pins.registry``): table or dead letter, schema version,
+and the insert plan, made from the columns the version was registered with
+(``SchemaVersion.columns``). The live table is only *checked* against that plan
+(:class:`~aggregator.clickhouse.exceptions.ColumnsChanged`, a refusal), never used to
+change it, so a replayed micro-batch prepares identically. Versions registered
+without columns (``--no-check``, or before columns were recorded) take the live
+columns, re-read every ``columns_ttl_s``: not pinned (``docs/protocol.md``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +23,19 @@ import numpy as np
 import numpy.typing as npt
 
 from blockagg.aggregator.clickhouse.deadletters import DEFAULT_TABLE, DeadLetter, make_dead_letter
-from blockagg.aggregator.clickhouse.exceptions import TableNotFound
-from blockagg.aggregator.clickhouse.rows import Column, Rows, TablePlan, decode_messages, make_plan
+from blockagg.aggregator.clickhouse.exceptions import ColumnsChanged
+from blockagg.aggregator.clickhouse.rows import (
+    COORDINATE_COLUMNS,
+    Column,
+    Rows,
+    TablePlan,
+    decode_messages,
+    make_plan,
+)
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
-from blockagg.proto.envelope import LATEST, Parsed, parse_envelope
+from blockagg.proto.envelope import LATEST, Parsed, Rejected, parse_envelope
 from blockagg.proto.exceptions import ProtoError
-from blockagg.proto.registry import Registry
+from blockagg.proto.registry import Registry, SchemaVersion
 
 
 @dataclass(frozen=True)
@@ -49,24 +63,49 @@ class Prepared:
         return int(np.count_nonzero(self.table_ids == DEAD_LETTER_TABLE_ID))
 
 
-class Plans:
-    """Insert plans per (table, version), built lazily from the registry and the
-    table's live columns (``columns(table)``, read once per table per run).
+def needs_newer(registry: Registry, table: str, version: int, timestamp_ms: int) -> bool:
+    """Whether ``registry`` may be too old to decide a message of ``table`` with
+    ``schema_version = version`` stamped ``timestamp_ms``: the table or version is
+    unknown, or version 0 is stamped after the snapshot was last known current."""
+    if table not in registry:
+        return True
+    if version == LATEST:
+        return not registry.covers(timestamp_ms)
+    return all(v.version != version for v in registry.get(table).versions)
 
-    ``reload`` (e.g. :meth:`proto.registry.RegistryCache.reload`) returns a fresh
-    registry snapshot; :func:`prepare` calls it, at most once per call, when a
-    message names a table or version the snapshot lacks, or carries
-    ``schema_version = 0`` with a timestamp the snapshot does not cover
-    (:meth:`proto.registry.Registry.covers`). Without it the snapshot is used as is.
+
+class Plans:
+    """Insert plans per (table, version), built lazily from the registry.
+
+    ``registry`` is the view decisions are made with; the task sets it to the
+    registry as of the batch's pinned position before each :func:`prepare`. A
+    version's plan is made from the columns it was registered with, and checked
+    against ``columns(table)`` (the live columns, re-read once they are older than
+    ``columns_ttl_s``, see :meth:`expire_live`). ``reload`` (tests, tools) returns a
+    fresh snapshot: :func:`prepare` calls it, at most once per call, when a message
+    names a table or version the snapshot lacks, or carries ``schema_version = 0``
+    with a timestamp the snapshot does not cover (:func:`needs_newer`). Without it the
+    registry is used as is (the job's pinned path).
     """
 
     def __init__(self, registry: Registry, columns: Callable[[str], Sequence[Column]],
-                 reload: Callable[[], Registry] | None = None) -> None:
+                 reload: Callable[[], Registry] | None = None, *,
+                 columns_ttl_s: float = float("inf"),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
         self._columns = columns
         self._reload = reload
-        self._live: dict[str, Sequence[Column]] = {}
+        self._ttl = columns_ttl_s
+        self._clock = clock
+        self._live: dict[str, tuple[float, tuple[Column, ...]]] = {}
         self._plans: dict[tuple[str, int], tuple[TablePlan, list[str]]] = {}
+        self._from_live: dict[tuple[str, int], tuple[tuple[Column, ...], TablePlan, list[str]]] = {}
+        self._checked: dict[tuple[str, int], tuple[Column, ...]] = {}
+
+    @property
+    def reloads(self) -> bool:
+        """Whether :func:`prepare` may re-read the registry (a ``reload`` was given)."""
+        return self._reload is not None
 
     def refresh(self) -> bool:
         """Re-read the registry (when a ``reload`` was given); plans already built
@@ -76,14 +115,25 @@ class Plans:
         self.registry = self._reload()
         return True
 
+    def expire_live(self) -> None:
+        """Forget live columns read ``columns_ttl_s`` ago or more (``[schemas]
+        refresh_interval``): an ALTER TABLE reaches long-lived workers. Called between
+        batches, so one batch sees one set of live columns."""
+        now = self._clock()
+        for table in [t for t, (read, _) in self._live.items() if now - read >= self._ttl]:
+            del self._live[table]
+
+    def live(self, table: str) -> tuple[Column, ...]:
+        """The table's live columns (cached, see :meth:`expire_live`); raises
+        :class:`~aggregator.clickhouse.exceptions.TableNotFound`."""
+        entry = self._live.get(table)
+        if entry is None:
+            entry = self._live[table] = (self._clock(), tuple(self._columns(table)))
+        return entry[1]
+
     def needs_refresh(self, table: str, version: int, timestamp_ms: int) -> bool:
         """Whether the snapshot may be too old to decide this message."""
-        if table not in self.registry:
-            return True
-        reg = self.registry.get(table)
-        if version == LATEST:
-            return not self.registry.covers(timestamp_ms)
-        return all(v.version != version for v in reg.versions)
+        return needs_newer(self.registry, table, version, timestamp_ms)
 
     def plan(self, table: str, version: int, timestamp_ms: int | None = None
              ) -> tuple[TablePlan, list[str]]:
@@ -91,27 +141,76 @@ class Plans:
 
         With ``timestamp_ms`` (the message's Kafka timestamp), version 0 resolves
         deterministically (:meth:`proto.registry.Registration.resolve`); without it,
-        to the snapshot's latest (not replay-safe). Raises
-        :class:`proto.exceptions.UnknownTable`/``UnknownVersion``, and
-        :class:`aggregator.clickhouse.exceptions.TableNotFound` when the live table
-        is gone."""
+        to the view's latest. Raises :class:`proto.exceptions.UnknownTable`/
+        ``UnknownVersion`` (dead letters), and, refusing the batch,
+        :class:`~aggregator.clickhouse.exceptions.TableNotFound` when the live table
+        is gone or :class:`~aggregator.clickhouse.exceptions.ColumnsChanged` when it
+        no longer has what the version's plan writes."""
         reg = self.registry.get(table)
         resolved = (reg.version(version) if timestamp_ms is None
                     else reg.resolve(version, timestamp_ms))
         key = (table, resolved.version)
+        if not resolved.columns:
+            return self._plan_from_live(key, reg.table_id, resolved)
         if key not in self._plans:
-            if table not in self._live:
-                self._live[table] = self._columns(table)
+            recorded = [Column(*c) for c in resolved.columns]
             self._plans[key] = make_plan(table, reg.table_id, resolved.version,
-                                         resolved.descriptor, self._live[table])
-        return self._plans[key]
+                                         resolved.descriptor, recorded)
+        found = self._plans[key]
+        self._check_live(found[0])
+        return found
+
+    def _plan_from_live(self, key: tuple[str, int], table_id: int,
+                        resolved: SchemaVersion) -> tuple[TablePlan, list[str]]:
+        live = self.live(key[0])
+        cached = self._from_live.get(key)
+        if cached is None or cached[0] != live:
+            plan, problems = make_plan(key[0], table_id, resolved.version,
+                                       resolved.descriptor, live)
+            cached = self._from_live[key] = (live, plan, problems)
+        return cached[1], cached[2]
+
+    def _check_live(self, plan: TablePlan) -> None:
+        live = self.live(plan.table)
+        key = (plan.table, plan.version)
+        if self._checked.get(key) == live:
+            return
+        by_name = {c.name: c for c in live}
+        recorded = {c.name: c for c in plan.live}
+        problems = []
+        for name in plan.columns:
+            want = recorded[name]
+            have = by_name.get(name)
+            if have is None:
+                problems.append(f"column {name} {want.type} is gone")
+            elif have.type != want.type:
+                problems.append(f"column {name} is {have.type}, registered as {want.type}")
+            elif have.default_kind in ("MATERIALIZED", "ALIAS"):
+                problems.append(f"column {name} became {have.default_kind}")
+        if problems:
+            coordinates = [n for n in plan.columns if n in COORDINATE_COLUMNS]
+            raise ColumnsChanged(
+                f"{plan.table}: schema version {plan.version} was registered against "
+                f"columns the live table no longer has ({'; '.join(problems)}); its rows "
+                "would be inserted differently than a replay of them, so the batch is "
+                "refused (nothing was committed or inserted). Restore the column(s) on "
+                "every replica, or register a new version against the current columns and "
+                "move the producers to it (in-flight messages of this version still need "
+                "the old columns)" + (f"; coordinate columns {coordinates} are written "
+                                      "too" if coordinates else ""))
+        self._checked[key] = live
 
 
 def prepare(topic: str, partition: int, messages: Sequence[Message], plans: Plans,
-            dead_letter_table: str = DEFAULT_TABLE, columnar: bool = True) -> Prepared:
+            dead_letter_table: str = DEFAULT_TABLE, columnar: bool = True,
+            parsed: Sequence[Parsed | Rejected] | None = None) -> Prepared:
     """Classify and decode ``messages`` (in offset order). ``columnar`` (default)
     converts to numpy columns where it can (:func:`~aggregator.clickhouse.rows.
-    decode_messages`); False is the previous per-value path, same values."""
+    decode_messages`); False is the previous per-value path, same values.
+    ``parsed``: the messages' envelopes, when the caller parsed them already.
+
+    Every dead letter's ``error`` is a function of the message and the registry
+    view: no host, no live column, no clock."""
     n = len(messages)
     table_ids = np.zeros(n, dtype=np.int64)
     row_counts = np.ones(n, dtype=np.int64)
@@ -126,24 +225,26 @@ def prepare(topic: str, partition: int, messages: Sequence[Message], plans: Plan
         table_ids[i] = DEAD_LETTER_TABLE_ID
         row_counts[i] = 1
 
-    parsed_all = [parse_envelope(m.value) for m in messages]
-    if any(isinstance(p, Parsed) and plans.needs_refresh(p.table, p.version, m.timestamp_ms)
-           for p, m in zip(parsed_all, messages, strict=True)):
+    parsed_all = (list(parsed) if parsed is not None
+                  else [parse_envelope(m.value) for m in messages])
+    if plans.reloads and any(
+            isinstance(p, Parsed) and plans.needs_refresh(p.table, p.version, m.timestamp_ms)
+            for p, m in zip(parsed_all, messages, strict=True)):
         plans.refresh()
-    for i, (m, parsed) in enumerate(zip(messages, parsed_all, strict=True)):
-        if not isinstance(parsed, Parsed):
-            dead(i, parsed.reason, parsed.table)
+    for i, (m, envelope) in enumerate(zip(messages, parsed_all, strict=True)):
+        if not isinstance(envelope, Parsed):
+            dead(i, envelope.reason, envelope.table)
             continue
         try:
-            plan, problems = plans.plan(parsed.table, parsed.version, m.timestamp_ms)
-        except (ProtoError, TableNotFound) as exc:
-            dead(i, str(exc), parsed.table)
+            plan, problems = plans.plan(envelope.table, envelope.version, m.timestamp_ms)
+        except ProtoError as exc:
+            dead(i, str(exc), envelope.table)
             continue
         if problems:
-            dead(i, f"schema version {plan.version} no longer matches the table: "
-                    f"{'; '.join(problems)}", parsed.table)
+            dead(i, f"schema version {plan.version} does not match the table's columns: "
+                    f"{'; '.join(problems)}", envelope.table)
             continue
-        groups.setdefault((parsed.table, plan.version), []).append((i, parsed))
+        groups.setdefault((envelope.table, plan.version), []).append((i, envelope))
     tables: dict[int, str] = {}
     for (table, version), members in groups.items():
         plan, _ = plans.plan(table, version)  # a resolved version: pinned

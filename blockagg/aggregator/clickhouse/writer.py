@@ -56,7 +56,7 @@ from blockagg.aggregator.clickhouse.rows import (
     TablePlan,
 )
 from blockagg.aggregator.clickhouse.types import INT_RANGES, CHType, default_value, parse_type
-from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
+from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, DedupMode
 from blockagg.aggregator.core.model import Batch, Block
 
 log = logging.getLogger(__name__)
@@ -277,6 +277,14 @@ class ClickHouseBlockWriter:
     def supports_token(self) -> bool:
         return self.server_version >= TOKEN_MIN_VERSION
 
+    def dedup_mode(self) -> DedupMode:
+        """How this shard's server recognises a retried block now: the mode a new
+        batch is pinned to (``Pins.dedup``); a replay keeps its intent's. Asks the server
+        again, so an upgrade reaches long-lived workers."""
+        rows = self.query("SELECT version()")
+        self._server_version = parse_version(str(rows[0][0]))
+        return DedupMode.TOKEN if self.supports_token else DedupMode.BLOCK_HASH
+
     def describe(self, table: str) -> TableInfo:
         database, name = table.split(".", 1)
         rows = self.query(
@@ -364,13 +372,28 @@ class ClickHouseBlockWriter:
             return default
         return int(rows[0][0]) if rows else None
 
-    def settings_for(self, block: Block) -> dict[str, Any]:
+    def settings_for(self, block: Block, dedup: int = DedupMode.UNPINNED) -> dict[str, Any]:
+        """The insert's settings. ``dedup`` is the batch's pinned mode
+        (``Pins.dedup``): the token is sent exactly when the block's first attempt sent
+        it, whatever the server answering now supports, so an upgrade (or a failover
+        to a replica of another version) never gives a replay another identity.
+        ``UNPINNED`` (an intent written before pins existed) takes the server's mode,
+        as before."""
         settings: dict[str, Any] = {"insert_deduplicate": 1, **self.config.extra_settings}
         if self.config.insert_quorum:
             settings["insert_quorum"] = self.config.insert_quorum
             if self.config.insert_quorum_timeout_ms is not None:
                 settings["insert_quorum_timeout"] = self.config.insert_quorum_timeout_ms
-        if self.supports_token:
+        mode = DedupMode(dedup) if dedup else self.dedup_mode()
+        if mode == DedupMode.TOKEN:
+            if not self.supports_token:
+                raise ClickHouseError(
+                    f"block {block.token} was first inserted with insert_deduplication_token "
+                    "(pinned in its intent), but the server now answering is version "
+                    f"{'.'.join(map(str, self.server_version))}, which has no such setting: "
+                    "without the token a replay would not be recognised. Insert through "
+                    f"replicas of ClickHouse {TOKEN_MIN_VERSION[0]}.{TOKEN_MIN_VERSION[1]}+ "
+                    "(this block was not sent)")
             settings["insert_deduplication_token"] = block.token
         return settings
 
@@ -497,7 +520,10 @@ class ClickHouseBlockWriter:
         first = distinct[0]
         if len(distinct) == 1:
             return first.columns, {}
-        live = next((p.live for p in distinct if p.live), ())
+        # The newest version's recorded columns line the others up: they hold every
+        # column an older version feeds (a pure function of the registry history).
+        live = max((p for p in distinct if p.live), key=lambda p: p.version,
+                   default=first).live
         if not live:
             raise ClickHouseError(
                 f"block of {block.table} mixes schema versions with different columns and "
@@ -528,7 +554,7 @@ class ClickHouseBlockWriter:
             return
         quoted = ", ".join(f"`{n}`" for n in data.names)
         sql = f"INSERT INTO {table} ({quoted}) VALUES"
-        settings = self.settings_for(block)
+        settings = self.settings_for(block, batch.pins.dedup)
 
         def send(client: Client) -> Any:
             if data.numpy and _is_driver_client(client):

@@ -169,5 +169,5 @@ def test_live_columns_refuses_a_table_that_would_not_drop_a_retried_block(
     assert task.live_columns(config, topic, "db.ok") == ["c"]
     with pytest.raises(DedupNotConfigured, match=r"db\.plain"):
         task.live_columns(config, topic, "db.plain")
-    with pytest.raises(TableNotFound):  # prepare makes the message a dead letter
+    with pytest.raises(TableNotFound):  # refuses the batch: no dead letter from live state
         task.live_columns(config, topic, "db.missing")

@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62lockagg/v1/registry.proto\x12\x0b\x62lockagg.v1\"\x8f\x01\n\rSchemaVersion\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0cmessage_name\x18\x02 \x01(\t\x12\x1b\n\x13\x66ile_descriptor_set\x18\x03 \x01(\x0c\x12\x18\n\x10registered_at_ms\x18\x04 \x01(\x03\x12 \n\x18\x66orced_incompatibilities\x18\x05 \x03(\t\"t\n\x0cRegistration\x12\r\n\x05table\x18\x01 \x01(\t\x12\x10\n\x08table_id\x18\x02 \x01(\r\x12,\n\x08versions\x18\x03 \x03(\x0b\x32\x1a.blockagg.v1.SchemaVersion\x12\x15\n\rcompatibility\x18\x04 \x01(\tBM\n\x0eio.blockagg.v1P\x01Z9github.com/blockagg/blockagg/proto/blockagg/v1;blockaggv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x62lockagg/v1/registry.proto\x12\x0b\x62lockagg.v1\"\xc7\x01\n\rSchemaVersion\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x14\n\x0cmessage_name\x18\x02 \x01(\t\x12\x1b\n\x13\x66ile_descriptor_set\x18\x03 \x01(\x0c\x12\x18\n\x10registered_at_ms\x18\x04 \x01(\x03\x12 \n\x18\x66orced_incompatibilities\x18\x05 \x03(\t\x12\x10\n\x08position\x18\x06 \x01(\x04\x12$\n\x07\x63olumns\x18\x07 \x03(\x0b\x32\x13.blockagg.v1.Column\"V\n\x06\x43olumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65\x66\x61ult_kind\x18\x03 \x01(\t\x12\x1a\n\x12\x64\x65\x66\x61ult_expression\x18\x04 \x01(\t\"t\n\x0cRegistration\x12\r\n\x05table\x18\x01 \x01(\t\x12\x10\n\x08table_id\x18\x02 \x01(\r\x12,\n\x08versions\x18\x03 \x03(\x0b\x32\x1a.blockagg.v1.SchemaVersion\x12\x15\n\rcompatibility\x18\x04 \x01(\tBM\n\x0eio.blockagg.v1P\x01Z9github.com/blockagg/blockagg/proto/blockagg/v1;blockaggv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -23,7 +23,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\016io.blockagg.v1P\001Z9github.com/blockagg/blockagg/proto/blockagg/v1;blockaggv1'
   _globals['_SCHEMAVERSION']._serialized_start=44
-  _globals['_SCHEMAVERSION']._serialized_end=187
-  _globals['_REGISTRATION']._serialized_start=189
-  _globals['_REGISTRATION']._serialized_end=305
+  _globals['_SCHEMAVERSION']._serialized_end=243
+  _globals['_COLUMN']._serialized_start=245
+  _globals['_COLUMN']._serialized_end=331
+  _globals['_REGISTRATION']._serialized_start=333
+  _globals['_REGISTRATION']._serialized_end=449
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,209 @@
+"""Pins on the real stack (issue 12): the topic incarnation read from the Kafka broker,
+registry positions on a real registry topic, and the task's wiring with the real
+metadata group, registry topic and two ClickHouse 18.16 replicas: a replay after a
+registry change and an ALTER TABLE decides as the first attempt did, under its pinned
+deduplication mode."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
+from blockagg.aggregator.config import loads
+from blockagg.aggregator.core.metadata import DedupMode, Pins, decode
+from blockagg.aggregator.core.model import Committed
+from blockagg.aggregator.kafka.incarnation import TopicIncarnations
+from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
+from blockagg.proto.envelope import make_envelope
+from blockagg.proto.registry import KafkaStore, Registry, RegistryCache, register, registry_pin
+from blockagg.spark import components
+from blockagg.spark.components import DefaultComponents
+from blockagg.spark.offsets import PlannedRange
+from blockagg.spark.task import TaskContext, run_range
+from tests.integration.conftest import replicated_engine, unique_name
+
+pytestmark = pytest.mark.integration
+
+PROTO = ('syntax = "proto3"; package pin;\n'
+         "message V1 { int32 a = 1; }\n"
+         "message V2 { int32 a = 1; string b = 2; }\n")
+COORDINATES = "_topic String, _partition UInt32, _offset UInt64"
+
+
+def test_the_incarnation_changes_when_the_topic_is_recreated(
+        kafka_bootstrap: str, kafka_admin: Any, new_topic: Callable[..., str]) -> None:
+    from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
+
+    topic = new_topic()
+    reader = TopicIncarnations({"bootstrap.servers": kafka_bootstrap})
+    first = reader.of(topic)
+    assert first and TopicIncarnations({"bootstrap.servers": kafka_bootstrap}).of(topic) == first
+    assert reader.of(new_topic()) != first              # another topic, same cluster
+    kafka_admin.delete_topics([topic])[topic].result(timeout=30)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            kafka_admin.create_topics([NewTopic(topic, 1, 1)])[topic].result(timeout=30)
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "the deleted topic never went away"
+            time.sleep(0.5)
+    while True:
+        try:
+            again = reader.of(topic)
+            break
+        except Exception:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+    assert again != first and again == reader.of(topic)
+
+
+def test_registry_positions_on_the_registry_topic(kafka_bootstrap: str, tmp_path: Path) -> None:
+    path = tmp_path / "pin.proto"
+    path.write_text(PROTO)
+    fds = compile_proto(path)
+    store = KafkaStore({"bootstrap.servers": kafka_bootstrap}, unique_name("_schemas"))
+    store.ensure_topic(replication_factor=1)
+    assert store.end() == 0 and Registry.load(store).position == 0
+    register(store, "db.a", "pin.V1", fds)
+    register(store, "db.b", "pin.V1", fds)
+    register(store, "db.a", "pin.V2", fds)
+    registry = Registry.load(store)
+    assert registry.position == store.end() == 3
+    assert [v.position for v in registry.get("db.a").versions] == [1, 3]
+    assert "db.b" not in registry.as_of(1) and registry.as_of(2).get("db.a").latest.version == 1
+    cache = RegistryCache(store, refresh_interval_s=3600)
+    assert cache.position() == 3 and cache.at(1).registrations() == registry.as_of(
+        1).registrations()
+
+
+def last_commit(config: Any, topic: str) -> Committed:
+    committed = DefaultComponents().store(config).committed(topic, 0)
+    assert committed is not None
+    return committed
+
+
+class CrashAfter(Exception):
+    pass
+
+
+class CrashingStore:
+    def __init__(self, inner: Any, commits: int) -> None:
+        self.inner, self.left = inner, commits
+
+    def committed(self, topic: str, partition: int) -> Committed | None:
+        return self.inner.committed(topic, partition)  # type: ignore[no-any-return]
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+        self.inner.commit(topic, partition, offset, metadata)
+        self.left -= 1
+        if self.left == 0:
+            raise CrashAfter("the worker dies after this commit")
+
+
+class Worker(DefaultComponents):
+    """The production adapters; the metadata store dies after ``crash_after`` commits."""
+
+    def __init__(self, crash_after: int = 0) -> None:
+        self.crash_after = crash_after
+
+    def store(self, config: Any) -> Any:
+        inner = super().store(config)
+        return CrashingStore(inner, self.crash_after) if self.crash_after else inner
+
+
+def test_a_replay_after_a_registry_change_decides_as_the_first_attempt(
+        stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str,
+        kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path) -> None:
+    path = tmp_path / "pin.proto"
+    path.write_text(PROTO)
+    fds = compile_proto(path)
+    db = ch_database
+    for client in ch_replicas:
+        for table in ("a", "b"):
+            client.execute(f"CREATE TABLE {db}.{table} (a Int32, {COORDINATES}) ENGINE = "
+                           f"{replicated_engine(db, table, '_offset')}")
+        client.execute(dead_letter_ddl(f"{db}.dead_letters"))
+    topic = new_topic()
+    schemas = unique_name("_schemas")
+    replicas = ", ".join(f'"{stack_env["BLOCKAGG_CH_HOST"]}:{p}"'
+                         for p in stack_env["BLOCKAGG_CH_PORTS"].split(","))
+    config = loads(f"""
+[job]
+metadata_group_id = "{unique_name('pins')}"
+checkpoint_location = "{tmp_path / 'ck'}"
+[[topics]]
+name = "{topic}"
+replicas = [{replicas}]
+[blocks]
+max_rows = 2
+[kafka]
+"bootstrap.servers" = "{kafka_bootstrap}"
+[schemas]
+topic = "{schemas}"
+[dead_letters]
+table = "{db}.dead_letters"
+""")
+    store = KafkaStore({"bootstrap.servers": kafka_bootstrap}, schemas)
+    store.ensure_topic(replication_factor=1)
+    writer = components.make_writer(config, config.topics[0])
+    register(store, f"{db}.a", "pin.V1", fds, columns=writer.describe(f"{db}.a").columns)
+
+    def envelope(table: str, a: int, version: int = 0, b: str | None = None) -> bytes:
+        cls: Any = message_class(load_descriptor(fds, "pin.V2" if b else "pin.V1"))
+        row = cls(a=a, b=b) if b else cls(a=a)
+        return make_envelope(f"{db}.{table}", [row.SerializeToString()], version)
+
+    values = [envelope("a", 1), envelope("b", 2, 1), envelope("a", 3), envelope("a", 4, 2, "x"),
+              envelope("a", 5), envelope("b", 6, 1), envelope("a", 7)]
+    stamps = [int(time.time() * 1000)] * len(values)
+
+    def run(worker: Any, vals: list[bytes]) -> dict[str, Any]:
+        components._CACHE.clear()   # a fresh Python worker
+        ctx = TaskContext(config, worker, {(topic, 0): PlannedRange(topic, 0, 0, len(vals))},
+                          1, 2)
+        return run_range(ctx, (topic, 0), list(range(len(vals))), vals, stamps[:1] * len(vals))
+
+    with pytest.raises(CrashAfter):
+        run(Worker(crash_after=3), values)
+    intent = decode(last_commit(config, topic).metadata)
+    incarnation = TopicIncarnations({"bootstrap.servers": kafka_bootstrap}).of(topic)
+    assert intent.blocks and intent.pins == Pins(registry_pin(1), incarnation,
+                                                 DedupMode.BLOCK_HASH)
+    # Between the attempt and the replay: db.b registered, column b added on every
+    # replica and v2 registered with it.
+    register(store, f"{db}.b", "pin.V1", fds, columns=writer.describe(f"{db}.b").columns)
+    ch_replicas[0].execute(f"ALTER TABLE {db}.a ADD COLUMN b String DEFAULT 'none' AFTER a")
+    deadline = time.monotonic() + 60    # a replicated ALTER reaches the other replica
+    while ch_replicas[1].execute(f"SELECT count() FROM system.columns WHERE database = "
+                                 f"'{db}' AND table = 'a' AND name = 'b'") != [(1,)]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    register(store, f"{db}.a", "pin.V2", fds, columns=writer.describe(f"{db}.a").columns)
+    report = run(Worker(), values)
+    assert report["replayed_blocks"] >= 1
+    for client in ch_replicas:
+        client.execute(f"SYSTEM SYNC REPLICA {db}.a")
+        client.execute(f"SYSTEM SYNC REPLICA {db}.dead_letters")
+        rows = client.execute(f"SELECT _offset, a, b FROM {db}.a ORDER BY _offset")
+        assert rows == [(0, 1, "none"), (2, 3, "none"), (4, 5, "none"), (6, 7, "none")]
+        assert client.execute(f"SELECT count() FROM {db}.b") == [(0,)]
+        dead = client.execute(f"SELECT offset, count() FROM {db}.dead_letters "
+                              "GROUP BY offset ORDER BY offset")
+        assert dead == [(1, 1), (3, 1), (5, 1)]   # as the first attempt decided, once
+    # The next batch is pinned to the current registry: db.b and v2 are known.
+    more = [*values, envelope("b", 8, 1), envelope("a", 9, 2, "y")]
+    report = run(Worker(), more)
+    final = decode(last_commit(config, topic).metadata)
+    assert final.pins.registry == registry_pin(Registry.load(store).position)
+    for client in ch_replicas:
+        client.execute(f"SYSTEM SYNC REPLICA {db}.a")
+        client.execute(f"SYSTEM SYNC REPLICA {db}.b")
+        assert client.execute(f"SELECT _offset, a, b FROM {db}.a WHERE _offset > 6") == [
+            (8, 9, "y")]
+        assert client.execute(f"SELECT _offset, a FROM {db}.b") == [(7, 8)]

@@ -1,0 +1,202 @@
+"""The task's wiring of the pins (no Spark): the last commit is read first, a new batch
+is pinned to the current registry position, topic incarnation and deduplication mode,
+and a replay is prepared under its intent's pins whatever changed in between."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from blockagg.aggregator.clickhouse.deadletters import DeadLetter
+from blockagg.aggregator.clickhouse.rows import Column, Rows
+from blockagg.aggregator.config import loads
+from blockagg.aggregator.core.exceptions import TopicIncarnationChanged
+from blockagg.aggregator.core.metadata import DedupMode, Pins, decode
+from blockagg.aggregator.core.model import Batch, Block, Committed
+from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
+from blockagg.proto.envelope import make_envelope
+from blockagg.proto.registry import MemoryStore, RegistryCache, register, registry_pin
+from blockagg.spark import components, task
+from blockagg.spark.offsets import PlannedRange
+from blockagg.spark.task import TaskContext, run_range
+
+T0 = 1_700_000_000_000
+CONFIG = """
+[job]
+checkpoint_location = "/tmp/ck"
+[kafka]
+"bootstrap.servers" = "x:1"
+[[topics]]
+name = "t"
+replicas = ["ch:9000"]
+[blocks]
+max_rows = 2
+"""
+V1 = [Column("a", "Int32")]
+V2 = [Column("a", "Int32"), Column("b", "String", "DEFAULT", "''")]
+
+
+class Crash(Exception):
+    pass
+
+
+class Store:
+    def __init__(self) -> None:
+        self.commits: dict[tuple[str, int], Committed] = {}
+        self.crash_after = -1
+
+    def committed(self, topic: str, partition: int) -> Committed | None:
+        return self.commits.get((topic, partition))
+
+    def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+        self.commits[(topic, partition)] = Committed(offset, metadata)
+        self.crash_after -= 1
+        if self.crash_after == 0:
+            raise Crash("after the commit")
+
+
+class Sink:
+    """What reached ClickHouse, per block token: (pins, rows with their values)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, tuple[Pins, list[Any]]] = {}
+
+    def insert(self, block: Block, batch: Batch) -> None:
+        rows: list[Any] = []
+        for p in block.positions.tolist():
+            payload = batch.payloads[p]
+            if isinstance(payload, DeadLetter):
+                rows.append(payload.row())
+            else:
+                assert isinstance(payload, Rows)
+                rows.append([list(v[payload.start:payload.stop])
+                             for v in payload.columns.values])
+        self.blocks.setdefault(block.token, (batch.pins, rows))
+        assert self.blocks[block.token] == (batch.pins, rows), "a replay differs"
+
+
+class Components:
+    def __init__(self, registry: RegistryCache) -> None:
+        self._store = Store()
+        self._sink = Sink()
+        self._registry = registry
+        self.topic_incarnation = 11
+        self.mode = DedupMode.BLOCK_HASH
+
+    def store(self, config: Any) -> Store:
+        return self._store
+
+    def sink(self, config: Any, topic: Any) -> Sink:
+        return self._sink
+
+    def registry(self, config: Any) -> RegistryCache:
+        return self._registry
+
+    def incarnation(self, config: Any, topic: str) -> int:
+        return self.topic_incarnation
+
+    def dedup_mode(self, config: Any, topic: Any) -> int:
+        return self.mode
+
+
+@pytest.fixture(scope="module")
+def fds(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = tmp_path_factory.mktemp("p") / "v.proto"
+    path.write_text('syntax = "proto3"; package vt;\n'
+                    "message V1 { int32 a = 1; }\n"
+                    "message V2 { int32 a = 1; string b = 2; }\n")
+    return compile_proto(path)
+
+
+@pytest.fixture(autouse=True)
+def live(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Column]]:
+    columns = {"db.a": V2, "db.b": V1}
+    monkeypatch.setattr(components, "_CACHE", {})
+    monkeypatch.setattr(task, "live_columns", lambda config, topic, table: columns[table])
+    return columns
+
+
+def envelope(fds: bytes, table: str, a: int, version: int = 0) -> bytes:
+    cls: Any = message_class(load_descriptor(fds, "vt.V1"))
+    return make_envelope(table, [cls(a=a).SerializeToString()], version)
+
+
+def run(comps: Components, values: list[bytes], end: int | None = None) -> dict[str, Any]:
+    ctx = TaskContext(loads(CONFIG), comps, {("t", 0): PlannedRange("t", 0, 0, end or
+                                                                     len(values))}, 1, 2)
+    return run_range(ctx, ("t", 0), list(range(len(values))), values, [T0 + 50] * len(values))
+
+
+def test_every_commit_carries_the_current_pins(fds: bytes) -> None:
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    comps = Components(RegistryCache(store))
+    run(comps, [envelope(fds, "db.a", i) for i in range(3)])
+    metadata = decode(comps._store.commits[("t", 0)].metadata)
+    assert metadata.pins == Pins(registry_pin(1), 11, DedupMode.BLOCK_HASH)
+    assert all(token.startswith("blockagg:000000000000000b:t:0:db.a:")
+               for token in comps._sink.blocks)
+
+
+def test_a_replay_after_registry_and_server_changes_decides_as_the_first_attempt(
+        fds: bytes) -> None:
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    cache = RegistryCache(store, refresh_interval_s=0)
+    comps = Components(cache)
+    values = [envelope(fds, "db.a", 1), envelope(fds, "db.b", 2), envelope(fds, "db.a", 3),
+              envelope(fds, "db.a", 4, version=2), envelope(fds, "db.b", 5)]
+    comps._store.crash_after = 2   # dies after the second intent, blocks maybe inserted
+    with pytest.raises(Crash):
+        run(comps, values)
+    first = dict(comps._sink.blocks)
+    intent = decode(comps._store.commits[("t", 0)].metadata)
+    assert intent.blocks and intent.pins.registry == registry_pin(1)
+    # Between the attempt and the replay: db.b registered, db.a v2 registered (and its
+    # producers' version 0 would now resolve to it), the server upgraded to tokens.
+    register(store, "db.b", "vt.V1", fds, now_ms=T0, columns=V1)
+    register(store, "db.a", "vt.V2", fds, now_ms=T0 + 1, columns=V2)
+    comps.mode = DedupMode.TOKEN
+    report = run(comps, values)
+    assert report["replayed_blocks"] >= 1
+    for token, block in first.items():
+        assert comps._sink.blocks[token] == block       # same rows, values, pins
+    assert all(pins == intent.pins for pins, _ in comps._sink.blocks.values())
+    dead = [row for _, rows in comps._sink.blocks.values() for row in rows
+            if isinstance(row, tuple)]
+    assert sorted(r[3] for r in dead) == [1, 3, 4]       # db.b x2 and v2: as first decided
+    # The next batch takes the current pins: db.b is a table now, v2 is known.
+    report = run(comps, [*values, envelope(fds, "db.b", 6), envelope(fds, "db.a", 7, 2)])
+    final = decode(comps._store.commits[("t", 0)].metadata)
+    assert final.pins == Pins(registry_pin(3), 11, DedupMode.TOKEN)
+    assert report["dead_letters"] == {}
+
+
+def test_a_recreated_topic_is_refused_before_anything_is_done(fds: bytes) -> None:
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    comps = Components(RegistryCache(store))
+    run(comps, [envelope(fds, "db.a", i) for i in range(3)])
+    before = dict(comps._store.commits)
+    comps.topic_incarnation = 12
+    with pytest.raises(TopicIncarnationChanged, match="reset-offsets --to-earliest"):
+        run(comps, [envelope(fds, "db.a", i) for i in range(5)])
+    assert comps._store.commits == before
+
+
+def test_a_worker_that_never_saw_the_pinned_position_reads_up_to_it(fds: bytes) -> None:
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    writer = Components(RegistryCache(store, refresh_interval_s=0))
+    writer._store.crash_after = 1
+    register(store, "db.b", "vt.V1", fds, now_ms=T0, columns=V1)
+    with pytest.raises(Crash):
+        run(writer, [envelope(fds, "db.b", 1), envelope(fds, "db.a", 2)])
+    stale = RegistryCache(MemoryStore(store.records[:1]), refresh_interval_s=3600)
+    stale.current()
+    stale.store = store           # the topic moved on; this worker's snapshot did not
+    other = Components(stale)
+    other._store, other._sink = writer._store, writer._sink
+    run(other, [envelope(fds, "db.b", 1), envelope(fds, "db.a", 2)])
+    assert stale.current().position == 2
