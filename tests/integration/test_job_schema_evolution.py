@@ -373,11 +373,11 @@ class Evolution:
         return int(self.clients[0].execute(
             f"SELECT count() FROM {self.database}.dead_letters")[0][0])
 
-    def wait_caught_up(self, job: Running, quiet_s: float = 30, timeout: float = 300) -> None:
-        """Until replica r1 holds every row and dead letter produced, or the job has
-        stored nothing new and run no batch for ``quiet_s`` (it has read everything it
-        will: rows it turned into unexpected dead letters never arrive, and the check
-        then names them)."""
+    def wait_caught_up(self, job: Running, quiet_s: float = 30, timeout: float = 300) -> bool:
+        """Until replica r1 holds every row and dead letter produced (True), or the job
+        has stored nothing new and run no batch for ``quiet_s`` (False: it has read
+        everything it will; rows it turned into unexpected dead letters never arrive,
+        and the check then names them)."""
         want_rows, want_dead = self.producer.rows(), len(self.producer.dead)
         deadline = time.monotonic() + timeout
         last: tuple[int, int, int] | None = None
@@ -385,12 +385,12 @@ class Evolution:
         while time.monotonic() < deadline:
             rows, dead = self.stored_rows(), self.stored_dead()
             if rows >= want_rows and dead >= want_dead:
-                return
+                return True
             now = (rows, dead, len(batch_lines(job.output)))
             if now != last:
                 last, quiet_since = now, time.monotonic()
             elif time.monotonic() - quiet_since > quiet_s:
-                return
+                return False
             job.check_alive(f"catching up ({rows}/{want_rows} rows, {dead}/{want_dead} "
                             "dead letters)")
             time.sleep(0.5)
@@ -594,12 +594,12 @@ def run_evolution(evo: Evolution, kills: int, seed: int, chunk: int = 60) -> str
         # ALTER) before the next kill
         producer.good(chunk, writers=(1, 2), versions=(0, 1, 2))
         producer.bad_ones("v2")
-        evo.wait_caught_up(job, quiet_s=10)
+        warm_stored_v2 = evo.wait_caught_up(job, quiet_s=30)
         for _ in range(kills - before):
             producer.good(chunk, writers=(1, 2), versions=(0, 1, 2))
             job = evo.kill_at_random(job, rng)
         producer.good(chunk, writers=(2,), versions=(0, 2))
-        evo.wait_caught_up(job, quiet_s=60)
+        evo.wait_caught_up(job, quiet_s=90)
         code = job.terminate()
         evo.save(job)
         assert code == 0, job.output[-4000:]
@@ -610,7 +610,8 @@ def run_evolution(evo: Evolution, kills: int, seed: int, chunk: int = 60) -> str
     moments = {m: sum(1 for k, _ in evo.kills if k == m) for m in ("start-up", "batches")}
     figures = (f"{producer.rows()} rows in {len(producer.sent)} messages "
                f"({sum(1 for s in producer.sent if s.writer == 2)} v2), "
-               f"{unread} v1 rows not yet stored when v2 was registered, "
+               f"{unread} v1 rows not yet stored when v2 was registered, the job running "
+               f"at the switch stored all of v2's first messages: {warm_stored_v2}, "
                f"{len(producer.dead)} dead letters, {len(evo.kills)} kills "
                f"({moments['start-up']} during start-up, {moments['batches']} after a "
                f"batch), {evo.starts} job starts, {time.monotonic() - started:.0f} s")
