@@ -65,6 +65,9 @@ COORDINATES = "_topic String, _partition UInt32, _offset UInt64"
 BAD_ENVELOPE = b"\xff\xfe not an envelope"
 
 
+SCHEMAS_REFRESH_S = 10.0
+"""``[schemas] refresh_interval`` of the job (:meth:`Workload.job_config` keeps the default)."""
+
 ADDED_MODULUS = 1_000_003
 """An added column's value in a row of id ``i``: ``i * factor % ADDED_MODULUS``."""
 
@@ -407,6 +410,10 @@ class Workload:
             new = replace(old, version=old.version + 1, added=(*old.added, added))
             _retry(lambda: self._add_column(table, added), timeout,
                    f"adding column {added.column} to {table}")
+            # The job's workers re-read a table's columns every [schemas]
+            # refresh_interval: register once copies from before the ALTER have expired
+            # (docs/schemas.md, "Evolving a table while the job runs").
+            time.sleep(SCHEMAS_REFRESH_S + 0.5)
         else:
             new = replace(old, version=old.version + 1, package=f"blockagg.bench.v{n}")
         _retry(lambda: self._register(table, new, folder), timeout,
