@@ -10,8 +10,9 @@ stream from a 3-partition topic into two ClickHouse 18.16 replicas
 * mid-stream, with the job running and its workers warm, and with v1 messages still
   unread in the topic, the documented evolution (``docs/schemas.md``, "Evolving a
   table while the job runs") is performed: ``ALTER TABLE ... ADD COLUMN`` with a
-  ``DEFAULT`` on every replica, then ``ba-schema register`` of v2 (the row type with
-  the new field) for ``orders`` and ``clicks``; ``metrics`` stays at v1;
+  ``DEFAULT`` on every replica, ``[schemas] refresh_interval`` (2 s here) allowed to
+  pass, then ``ba-schema register`` of v2 (the row type with the new field) for
+  ``orders`` and ``clicks``; ``metrics`` stays at v1;
 * v2 producers write the new field (pinned to 2 or unpinned), while v1 producers keep
   writing (pinned to 1, and unpinned: v1 bytes that ``0`` now decodes with v2);
 * the job's whole process group is killed with ``SIGKILL`` at seeded random moments
@@ -78,6 +79,7 @@ message Metric { uint64 id = 1; string name = 2; double value = 3; }
 """
 
 COORDINATES = "_topic String, _partition UInt32, _offset UInt64"
+REFRESH_INTERVAL_S = 2.0  # [schemas] refresh_interval of the job (default 10 s)
 
 
 @dataclass(frozen=True)
@@ -539,7 +541,7 @@ insert_quorum = 2
 
 [schemas]
 topic = "{schema_topic}"
-refresh_interval = "1s"
+refresh_interval = "{REFRESH_INTERVAL_S:g}s"
 
 [dead_letters]
 table = "{database}.dead_letters"
@@ -583,10 +585,14 @@ def run_evolution(evo: Evolution, kills: int, seed: int, chunk: int = 60) -> str
         # ... and v1 messages unread in the topic (max_offsets_per_trigger = 40)
         producer.good(4 * chunk, writers=(1,), versions=(0, 1))
         time.sleep(1.0)  # unpinned v1 messages stay clear of the registration
-        for short, spec in TABLES.items():
-            if spec.added is not None:
-                evo.add_column_everywhere(short)
-                evo.register_v2(short)
+        evolving = [short for short, spec in TABLES.items() if spec.added is not None]
+        for short in evolving:
+            evo.add_column_everywhere(short)
+        # Every worker's copy of the columns read before the ALTER expires within
+        # [schemas] refresh_interval: register only then (docs/schemas.md, step 2).
+        time.sleep(REFRESH_INTERVAL_S + 0.5)
+        for short in evolving:
+            evo.register_v2(short)
         unread = producer.rows() - evo.stored_rows()  # v1 rows in flight at the switch
         time.sleep(1.0)
         # v2 producers (pinned and not), v1 producers still writing (pinned and not),
