@@ -207,6 +207,7 @@ class Workload:
     switches: dict[str, list[tuple[int, TableSchema]]] = field(default_factory=dict)
     changed: set[str] = field(default_factory=set)  # tables whose values the checker reads
     schema_changes: int = 0
+    reattached: list[tuple[str, int]] = field(default_factory=list)  # (table, replica)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -405,6 +406,7 @@ class Workload:
         if warm:
             _retry(lambda: self._has_rows(table), timeout, f"waiting for rows of {table}")
         old = self.schemas.get(table, V1)
+        reattached = len(self.reattached)
         if action == "add_column":
             added = AddedField(f"x{n}", 10 + len(old.added) + 1, 1000 + n, 3 + n)
             new = replace(old, version=old.version + 1, added=(*old.added, added))
@@ -421,7 +423,9 @@ class Workload:
         self.changed.add(table)
         self.schemas = {**self.schemas, table: new}  # the producer writes it from now on
         return {"action": action, "table": table, "version": new.version,
-                **({"column": new.added[-1].column} if action == "add_column" else {})}
+                **({"column": new.added[-1].column} if action == "add_column" else {}),
+                **({"reattached": [f"r{r + 1}" for _, r in self.reattached[reattached:]]}
+                   if len(self.reattached) > reattached else {})}
 
     def _has_rows(self, table: str) -> None:
         client = self.clients()[0]
@@ -443,7 +447,14 @@ class Workload:
     def _add_column(self, table: str, added: AddedField) -> None:
         """``ALTER TABLE ... ADD COLUMN`` on every replica that lacks the column (on
         ``ReplicatedMergeTree`` the first ALTER replicates through ZooKeeper), then
-        until every replica lists it (docs/schemas.md)."""
+        until every replica lists it (docs/schemas.md).
+
+        ClickHouse 18.16: a replica whose ZooKeeper session expired earlier (the
+        ``zookeeper_down`` fault) may never apply a replicated ALTER (its alter thread
+        stopped; the ALTER ends with code 341, "Alter is not finished because timeout
+        when waiting for some replicas"), and quorum inserts then stall on it. The
+        documented remedy: ``DETACH TABLE`` + ``ATTACH TABLE`` on that replica, which
+        restarts the table's replication threads and applies the ALTER."""
         database, short = table.split(".", 1)
         clients = self.clients()
         try:
@@ -458,11 +469,23 @@ class Workload:
                     try:
                         client.execute(f"ALTER TABLE {table} ADD COLUMN {added.column} Int64 "
                                        f"DEFAULT {added.default}")
-                    except Exception as exc:  # the replicated ALTER got here first
-                        if "already exists" not in str(exc):
+                    except Exception as exc:
+                        # the replicated ALTER got here first, or it is applied later
+                        if "already exists" not in str(exc) and "Code: 341" not in str(exc):
                             raise
-            if not all(has(c) for c in clients):
-                raise RuntimeError(f"{table}.{added.column} is not on every replica yet")
+            deadline = time.monotonic() + 20
+            while not all(has(c) for c in clients) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            for replica, client in enumerate(clients):
+                if not has(client):
+                    self.reattached.append((table, replica))
+                    client.execute(f"DETACH TABLE {table}")
+                    client.execute(f"ATTACH TABLE {table}")
+            deadline = time.monotonic() + 30
+            while not all(has(c) for c in clients):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{table}.{added.column} is not on every replica yet")
+                time.sleep(0.5)
         finally:
             for c in clients:
                 c.disconnect()
