@@ -16,7 +16,8 @@ stream from a 3-partition topic into two ClickHouse 18.16 replicas
 * v2 producers write the new field (pinned to 2 or unpinned), while v1 producers keep
   writing (pinned to 1, and unpinned: v1 bytes that ``0`` now decodes with v2);
 * the job's whole process group is killed with ``SIGKILL`` at seeded random moments
-  (during start-up, or a random delay after a batch) and started again each time.
+  (0-4 s after it took the lock: during its recovery and first batches; or 0-2.5 s
+  after a batch) and started again each time.
 
 Then, on **both** replicas, every row of every table is compared value by value with
 what the producer's delivery reports acknowledged (id, Kafka coordinates, every
@@ -283,11 +284,18 @@ class Evolution:
 
     def kill_at_random(self, job: Running, rng: random.Random) -> Running:
         """Let the job run a random (seeded) while, kill -9 its process group, start it
-        again: during start-up (JVM, lock, recovery) or a random delay after a batch."""
+        again. The moment: 0-4 s after the job took the lock (its recovery, the replay
+        of an interrupted batch, its first batches), or 0-2.5 s after a batch."""
         started = time.monotonic()
-        if rng.random() < 0.3:
-            moment = "start-up"
-            time.sleep(rng.uniform(0.5, 8.0))
+        if rng.random() < 0.4:
+            moment = "recovery"
+            deadline = time.monotonic() + 180
+            while not any(mark in job.output for mark in ("lock acquired", "recovery:",
+                                                              "blockagg.job: batch ")):
+                assert time.monotonic() < deadline, f"no lock after 180 s:\n{job.output}"
+                job.check_alive("taking the lock")
+                time.sleep(0.1)
+            time.sleep(rng.uniform(0.0, 4.0))
         else:
             moment = "batches"
             seen = len(batch_lines(job.output))
@@ -613,14 +621,17 @@ def run_evolution(evo: Evolution, kills: int, seed: int, chunk: int = 60) -> str
         job.kill()
         evo.save(job)
     problems = evo.assert_exact()
-    moments = {m: sum(1 for k, _ in evo.kills if k == m) for m in ("start-up", "batches")}
+    moments = {m: sum(1 for k, _ in evo.kills if k == m) for m in ("recovery", "batches")}
+    logs = "".join(p.read_text() for p in evo.tmp.glob("job-*.log"))
+    replayed = sum(int(n) for n in re.findall(r"replayed_blocks=(\d+)", logs))
     figures = (f"{producer.rows()} rows in {len(producer.sent)} messages "
                f"({sum(1 for s in producer.sent if s.writer == 2)} v2), "
                f"{unread} v1 rows not yet stored when v2 was registered, the job running "
                f"at the switch stored all of v2's first messages: {warm_stored_v2}, "
                f"{len(producer.dead)} dead letters, {len(evo.kills)} kills "
-               f"({moments['start-up']} during start-up, {moments['batches']} after a "
-               f"batch), {evo.starts} job starts, {time.monotonic() - started:.0f} s")
+               f"({moments['recovery']} after taking the lock, {moments['batches']} after "
+               f"a batch), {evo.starts} job starts, {len(batch_lines(logs))} batches, "
+               f"{replayed} blocks replayed, {time.monotonic() - started:.0f} s")
     assert not problems, figures + "\n" + "\n".join(problems)
     return figures
 
