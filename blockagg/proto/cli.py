@@ -283,6 +283,10 @@ def show_cmd(ctx: Context, table: str, version: int) -> None:
         click.echo(json.dumps({**_summary(reg), "version": v.version,
                                "message": v.message_name, "fields": fields,
                                "registered_at_ms": v.registered_at_ms,
+                               "position": v.position,
+                               "columns": [{"name": n, "type": t, "default_kind": k,
+                                            "default_expression": e}
+                                           for n, t, k, e in v.columns],
                                "forced_incompatibilities": list(v.forced_incompatibilities)},
                               indent=2))
         return
@@ -295,6 +299,12 @@ def show_cmd(ctx: Context, table: str, version: int) -> None:
             click.echo(f"    ! {d}")
     for f in fields:
         click.echo(f"  {f['number']:>4}  {f['name']:<30} {f['type']}")
+    if v.columns:
+        click.echo(f"  registered against the columns (registry position {v.position}): "
+                   + ", ".join(f"{n} {t}" for n, t, _, _ in v.columns))
+    else:
+        click.echo("  registered without columns (--no-check): plans against the live "
+                   "table; register it again with the check to pin them")
 
 
 @cli.command("check")

@@ -64,3 +64,9 @@ class ColumnsChanged(ClickHouseError):
     """The live table no longer has a column, with its type, that a registered
     version's insert plan writes: inserting would change what a replay sends, so the
     batch is refused before anything is committed or inserted."""
+
+
+class DedupModeMismatch(ClickHouseError):
+    """A replay's pinned deduplication mode (token or content hash) can't be kept by
+    the server answering: it is on the other side of the ``insert_deduplication_token``
+    boundary. Nothing was sent."""

@@ -164,7 +164,7 @@ class Plans:
                         resolved: SchemaVersion) -> tuple[TablePlan, list[str]]:
         live = self.live(key[0])
         cached = self._from_live.get(key)
-        if cached is None or cached[0] != live:
+        if cached is None or cached[0] is not live:
             plan, problems = make_plan(key[0], table_id, resolved.version,
                                        resolved.descriptor, live)
             cached = self._from_live[key] = (live, plan, problems)
@@ -173,7 +173,7 @@ class Plans:
     def _check_live(self, plan: TablePlan) -> None:
         live = self.live(plan.table)
         key = (plan.table, plan.version)
-        if self._checked.get(key) == live:
+        if self._checked.get(key) is live:
             return
         by_name = {c.name: c for c in live}
         recorded = {c.name: c for c in plan.live}

@@ -44,6 +44,7 @@ from blockagg.aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_CO
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter
 from blockagg.aggregator.clickhouse.exceptions import (
     ClickHouseError,
+    DedupModeMismatch,
     DedupNotConfigured,
     InsertFailed,
     TableNotFound,
@@ -376,7 +377,9 @@ class ClickHouseBlockWriter:
         """The insert's settings. ``dedup`` is the batch's pinned mode
         (``Pins.dedup``): the token is sent exactly when the block's first attempt sent
         it, whatever the server answering now supports, so an upgrade (or a failover
-        to a replica of another version) never gives a replay another identity.
+        to a replica of another version) never gives a replay another identity; a
+        replay pinned to ``BLOCK_HASH`` on a server with tokens refuses, since the
+        content hash itself changed across versions.
         ``UNPINNED`` (an intent written before pins existed) takes the server's mode,
         as before."""
         settings: dict[str, Any] = {"insert_deduplicate": 1, **self.config.extra_settings}
@@ -387,7 +390,7 @@ class ClickHouseBlockWriter:
         mode = DedupMode(dedup) if dedup else self.dedup_mode()
         if mode == DedupMode.TOKEN:
             if not self.supports_token:
-                raise ClickHouseError(
+                raise DedupModeMismatch(
                     f"block {block.token} was first inserted with insert_deduplication_token "
                     "(pinned in its intent), but the server now answering is version "
                     f"{'.'.join(map(str, self.server_version))}, which has no such setting: "
@@ -395,6 +398,17 @@ class ClickHouseBlockWriter:
                     f"replicas of ClickHouse {TOKEN_MIN_VERSION[0]}.{TOKEN_MIN_VERSION[1]}+ "
                     "(this block was not sent)")
             settings["insert_deduplication_token"] = block.token
+        elif mode == DedupMode.BLOCK_HASH and self.supports_token:
+            raise DedupModeMismatch(
+                f"block {block.token} was first inserted under content-hash deduplication, by "
+                "a server without insert_deduplication_token (pinned in its intent), but the "
+                f"server now answering is version {'.'.join(map(str, self.server_version))}: "
+                "servers compute a block's hash differently across versions (18.16 and 26 "
+                "give the same block different ids), so this replay might not be recognised "
+                "and could land twice. Let the replay run through a replica of the version "
+                "that first inserted it (finish the rolling upgrade after it), and before an "
+                "upgrade stop the job with SIGTERM, whose last commits are final (this block "
+                "was not sent)")
         return settings
 
     def block_columns(self, block: Block, batch: Batch) -> tuple[tuple[str, ...], list[list[Any]]]:
@@ -554,15 +568,44 @@ class ClickHouseBlockWriter:
             return
         quoted = ", ".join(f"`{n}`" for n in data.names)
         sql = f"INSERT INTO {table} ({quoted}) VALUES"
-        settings = self.settings_for(block, batch.pins.dedup)
+        dedup = batch.pins.dedup
+        settings = self._settings_on_a_fitting_replica(block, dedup)
 
         def send(client: Client) -> Any:
+            if dedup:
+                self._check_dedup_mode(client, block, dedup)
             if data.numpy and _is_driver_client(client):
                 return client.execute(sql, data.fresh(), columnar=True,
                                       settings={**settings, "use_numpy": True})
             return client.execute(sql, data.fresh(lists=True), columnar=True,
                                   settings=settings)
         self._with_retries(table, send)
+
+    def _settings_on_a_fitting_replica(self, block: Block, dedup: int) -> dict[str, Any]:
+        """The insert's settings on a replica whose version keeps the pinned mode
+        (during a rolling upgrade across the token boundary a replay moves to a
+        replica of its first attempt's side); raises :class:`DedupModeMismatch` when
+        none answering does."""
+        for _ in range(len(self.config.replicas) - 1):
+            try:
+                return self.settings_for(block, dedup)
+            except DedupModeMismatch:
+                self._preferred += 1
+                self._server_version = None
+        return self.settings_for(block, dedup)
+
+    @staticmethod
+    def _check_dedup_mode(client: Client, block: Block, dedup: int) -> None:
+        """Right before each attempt: the replica about to receive a pinned block is
+        on the pinned side of the token boundary (a failover may have moved it)."""
+        version = parse_version(str(client.execute("SELECT version()")[0][0]))
+        if (version >= TOKEN_MIN_VERSION) != (dedup == DedupMode.TOKEN):
+            raise DedupModeMismatch(
+                f"block {block.token} is pinned to {DedupMode(dedup).name} deduplication, "
+                f"but the replica it failed over to is version "
+                f"{'.'.join(map(str, version))}, on the other side of the "
+                "insert_deduplication_token boundary; retry when a replica of the pinned "
+                "side answers (this attempt was not sent)")
 
     def _with_retries(self, what: str, action: Callable[[Client], Any]) -> Any:
         from clickhouse_driver import errors as ch_errors

@@ -162,10 +162,12 @@ def _pins_for(where: str, resumption: Resumption, current: Pins) -> Pins:
             f"{pinned.incarnation:016x}, now {current.incarnation:016x}): the topic was "
             "deleted and recreated, or this is another Kafka cluster's topic of the same "
             "name, so its offsets do not apply. Nothing was committed or inserted. If that "
-            "is intended, reset the metadata group's offsets of this topic to its earliest "
-            "offset (kafka-consumer-groups.sh --group <metadata group> --topic <topic> "
-            "--reset-offsets --to-earliest --execute) and restart: every message of the "
-            "new topic is then delivered, under new deduplication tokens." + lost
+            "is intended, stop the job, reset the metadata group's offsets of this topic "
+            "to its earliest offset (kafka-consumer-groups.sh --group <metadata group> "
+            "--topic <topic> --reset-offsets --to-earliest --execute), delete the job's "
+            "checkpoint_location (Spark's offsets are the old topic's) and start it: every "
+            "message of the new topic is then delivered, under new deduplication tokens, "
+            "so none is lost or taken for an old block." + lost
         )
     if not metadata.blocks:
         return current

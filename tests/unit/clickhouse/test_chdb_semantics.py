@@ -103,3 +103,36 @@ def test_check_refuses_plain_mergetree(chdb_session: Any) -> None:
     s.query("CREATE TABLE db.plain (x Int64) ENGINE = MergeTree ORDER BY x")
     with pytest.raises(DedupNotConfigured, match="non_replicated_deduplication_window"):
         writer_for(s).check_tables(["db.plain"])
+
+
+def test_a_replay_across_the_token_upgrade_is_never_sent_under_another_identity(
+        chdb_session: Any, sample: Descriptor) -> None:
+    """Issue 12: a block first inserted by content hash (an 18.16 server, pinned
+    BLOCK_HASH in its intent) must not be replayed on a server with tokens: with a
+    token it is a new block (the per-process decision this replaces stored it twice),
+    and without one the server's hash is not 18.16's (measured in
+    ``tests/integration/test_pins_stack.py``). The writer refuses, sending nothing."""
+    from blockagg.aggregator.clickhouse.exceptions import ClickHouseError
+    from blockagg.aggregator.core.metadata import DedupMode, Pins
+
+    s = chdb_session
+    cls: Any = message_class(sample)
+    plan, _ = make_plan("db.up", 1, 1, sample, [Column("i64", "Int64"), Column("text", "String")])
+    payloads = decode_messages(plan, [[cls(i64=7, text="u").SerializeToString()]])
+    block = Block("top", 0, 1, "db.up", 0, 0, np.array([0]), 1, 1,
+                  block_token("top", 0, "db.up", 0, 0, 0xAB))
+
+    def batch(mode: int) -> Batch:
+        return Batch("top", 0, 0, 1, np.array([0]), np.array([1]), np.array([1]),
+                     np.array([1]), payloads, {1: "db.up"}, pins=Pins(5, 0xAB, mode))
+
+    s.query("DROP TABLE IF EXISTS db.up")
+    s.query("CREATE TABLE db.up (i64 Int64, text String) ENGINE = MergeTree ORDER BY "
+            "i64 SETTINGS non_replicated_deduplication_window = 100")
+    writer = writer_for(s)
+    s.query("INSERT INTO db.up (i64, text) VALUES (7, 'u')")     # the first attempt's block
+    with pytest.raises(ClickHouseError, match="hash differently"):
+        writer.insert(block, batch(DedupMode.BLOCK_HASH))
+    assert s.query("SELECT count() FROM db.up", "CSV").bytes().strip() == b"1"
+    writer.insert(block, batch(DedupMode.UNPINNED))   # what a per-process decision did
+    assert s.query("SELECT count() FROM db.up", "CSV").bytes().strip() == b"2"

@@ -18,6 +18,7 @@ from blockagg.aggregator.clickhouse.exceptions import (
 )
 from blockagg.aggregator.clickhouse.prepare import Message, Plans, needs_newer, prepare
 from blockagg.aggregator.clickhouse.rows import Column, Rows
+from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.metadata import DedupMode, Pins
 from blockagg.aggregator.core.model import Batch, Block
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
@@ -160,7 +161,6 @@ def dedup_batch(mode: int) -> tuple[Batch, Block]:
 
 @pytest.mark.parametrize(("version", "mode", "token"), [
     ("23.8.1", DedupMode.TOKEN, True),
-    ("23.8.1", DedupMode.BLOCK_HASH, False),     # first inserted on 18.16: hash it again
     ("23.8.1", DedupMode.UNPINNED, True),        # an intent from before pins: as before
     ("18.16.1", DedupMode.BLOCK_HASH, False),
     ("18.16.1", DedupMode.UNPINNED, False),
@@ -177,10 +177,40 @@ def test_the_token_is_sent_exactly_as_the_pinned_mode_says(version: str, mode: i
                                    else DedupMode.BLOCK_HASH)
 
 
-def test_a_token_pinned_batch_on_an_older_server_is_refused() -> None:
+@pytest.mark.parametrize(("version", "mode", "match"), [
+    ("18.16.1", DedupMode.TOKEN, "has no such setting"),
+    ("23.8.1", DedupMode.BLOCK_HASH, "compute a block's hash differently"),
+])
+def test_a_replay_on_a_server_of_the_other_side_of_the_token_boundary_is_refused(
+        version: str, mode: int, match: str) -> None:
     log: list[Any] = []
-    writer = make_writer({}, log, version="18.16.1")
-    batch, block = dedup_batch(DedupMode.TOKEN)
-    with pytest.raises(ClickHouseError, match="insert_deduplication_token"):
+    writer = make_writer({}, log, version=version)
+    batch, block = dedup_batch(mode)
+    with pytest.raises(ClickHouseError, match=match):
         writer.insert(block, batch)
     assert log == []
+
+
+def test_a_replay_moves_to_a_replica_on_its_pinned_side_of_the_token_boundary() -> None:
+    """A rolling upgrade: replica a is upgraded, b not yet. A content-hash replay goes
+    to b, a token batch to a; a failover to the wrong side is refused, not sent."""
+    from clickhouse_driver import errors as ch_errors
+
+    from blockagg.aggregator.clickhouse.exceptions import DedupModeMismatch
+    from tests.unit.clickhouse.test_writer import FakeClient
+
+    log: list[Any] = []
+    script: dict[str, Any] = {}
+    versions = {"a": "23.8.1", "b": "18.16.1"}
+    writer = ClickHouseBlockWriter(
+        WriterConfig(replicas=(Replica("a"), Replica("b"))),
+        lambda r: FakeClient(r, script, log, versions[r.host]), sleep=lambda s: None)
+    for mode, host, token in ((DedupMode.BLOCK_HASH, "b", False), (DedupMode.TOKEN, "a", True)):
+        batch, block = dedup_batch(mode)
+        writer.insert(block, batch)
+        assert log[-1][0] == host and ("insert_deduplication_token" in log[-1][3]) is token
+    script["a"] = [ch_errors.NetworkError("a went away")]   # token batch fails over to b
+    batch, block = dedup_batch(DedupMode.TOKEN)
+    with pytest.raises(DedupModeMismatch, match="other side"):
+        writer.insert(block, batch)
+    assert len(log) == 3 and log[-1][0] == "a"       # the failed attempt on a only
