@@ -336,8 +336,11 @@ class Evolution:
             time.sleep(0.2)
 
     def register_v2(self, short: str) -> None:
+        """``ba-schema check`` (every version still fits the altered table), then
+        ``ba-schema register`` of v2; records v2's ``registered_at_ms``."""
         import json
 
+        self.ba_schema("check", f"{self.database}.{short}")
         self.ba_schema("register", f"{self.database}.{short}", "--proto",
                        str(self.tmp / "evo_v2.proto"), "--message", TABLES[short].message)
         shown = json.loads(self.ba_schema("--json", "show", f"{self.database}.{short}",
