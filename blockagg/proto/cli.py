@@ -131,6 +131,20 @@ def _mismatches(descriptor: Any, columns: Sequence[Any]) -> list[str]:
     return match_columns(descriptor, columns)[1]
 
 
+def _changed(table_id: int, version: Any, columns: Sequence[Any]) -> list[str]:
+    """For a version registered with its columns: what the live table lost of them
+    (the job refuses that version's batches, ``ColumnsChanged``)."""
+    if not version.columns:
+        return []
+    from blockagg.aggregator.clickhouse.prepare import column_changes
+    from blockagg.aggregator.clickhouse.rows import Column, make_plan
+
+    plan, _ = make_plan("", table_id, version.version, version.descriptor,
+                        [Column(*c) for c in version.columns])
+    return [f"{p} since registration (the job refuses this version's batches)"
+            for p in column_changes(plan, columns)]
+
+
 _MODE = click.Choice([m.value for m in Mode], case_sensitive=False)
 
 
@@ -325,7 +339,8 @@ def check_cmd(ctx: Context, table: str, version: int | None) -> None:
     except BlockaggError as exc:
         _fail(ctx, 2, str(exc))
     columns = _columns(ctx, table)
-    per_version = {v.version: _mismatches(d, columns) for v, d in descriptors}
+    per_version = {v.version: _mismatches(d, columns) + _changed(reg.table_id, v, columns)
+                   for v, d in descriptors}
     failed = {n: m for n, m in per_version.items() if m}
     if failed:
         if ctx.as_json:

@@ -63,6 +63,25 @@ class Prepared:
         return int(np.count_nonzero(self.table_ids == DEAD_LETTER_TABLE_ID))
 
 
+def column_changes(plan: TablePlan, live: Sequence[Column]) -> list[str]:
+    """What the live table lost of the columns ``plan`` (made from a version's
+    recorded columns) inserts: a column gone, another type, or one turned
+    ``MATERIALIZED``/``ALIAS``. Empty: the plan inserts as when it was registered."""
+    by_name = {c.name: c for c in live}
+    recorded = {c.name: c for c in plan.live}
+    problems = []
+    for name in plan.columns:
+        want = recorded[name]
+        have = by_name.get(name)
+        if have is None:
+            problems.append(f"column {name} {want.type} is gone")
+        elif have.type != want.type:
+            problems.append(f"column {name} is {have.type}, registered as {want.type}")
+        elif have.default_kind in ("MATERIALIZED", "ALIAS"):
+            problems.append(f"column {name} became {have.default_kind}")
+    return problems
+
+
 def needs_newer(registry: Registry, table: str, version: int, timestamp_ms: int) -> bool:
     """Whether ``registry`` may be too old to decide a message of ``table`` with
     ``schema_version = version`` stamped ``timestamp_ms``: the table or version is
@@ -175,18 +194,7 @@ class Plans:
         key = (plan.table, plan.version)
         if self._checked.get(key) is live:
             return
-        by_name = {c.name: c for c in live}
-        recorded = {c.name: c for c in plan.live}
-        problems = []
-        for name in plan.columns:
-            want = recorded[name]
-            have = by_name.get(name)
-            if have is None:
-                problems.append(f"column {name} {want.type} is gone")
-            elif have.type != want.type:
-                problems.append(f"column {name} is {have.type}, registered as {want.type}")
-            elif have.default_kind in ("MATERIALIZED", "ALIAS"):
-                problems.append(f"column {name} became {have.default_kind}")
+        problems = column_changes(plan, live)
         if problems:
             coordinates = [n for n in plan.columns if n in COORDINATE_COLUMNS]
             raise ColumnsChanged(

@@ -168,3 +168,17 @@ def test_a_record_with_an_unknown_mode_still_decodes(protos: dict[str, Path]) ->
     assert registry.get("db.t").compatibility == "SOMEDAY"
     result = reg(store, protos["added"], columns=WITH_C)
     assert result.exit_code == 2 and "unknown compatibility mode 'SOMEDAY'" in result.stderr
+
+
+def test_check_names_a_recorded_column_the_table_lost(protos: dict[str, Path]) -> None:
+    """A version records the columns it was registered against; ``check`` says when the
+    live table no longer has one as recorded (the job would refuse the version's
+    batches with ColumnsChanged)."""
+    store = MemoryStore()
+    assert reg(store, protos["v1"]).exit_code == 0
+    retyped = [Column("a", "Int64"), *COLUMNS[1:]]
+    result = run(store, "--json", "check", "db.t", columns=retyped)
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["versions"]["1"] == [
+        "column a is Int64, registered as Int32 since registration (the job refuses this "
+        "version's batches)"]

@@ -200,3 +200,26 @@ def test_a_worker_that_never_saw_the_pinned_position_reads_up_to_it(fds: bytes) 
     other._store, other._sink = writer._store, writer._sink
     run(other, [envelope(fds, "db.b", 1), envelope(fds, "db.a", 2)])
     assert stale.current().position == 2
+
+
+def test_an_intent_written_before_pins_replays_as_before(fds: bytes) -> None:
+    """A ``ba1:`` intent (no pins): the replay takes the current registry and the
+    server's mode and keeps the token format without incarnation, so its blocks are
+    the ones the earlier version sent; the commits after it carry pins again."""
+    from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    comps = Components(RegistryCache(store))
+    legacy = Metadata(9, 3, 0, 3, 0, (BlockRange(1, 0, 1),))
+    assert encode(legacy).startswith("ba1:")
+    comps._store.commits[("t", 0)] = Committed(0, encode(legacy))
+    report = run(comps, [envelope(fds, "db.a", i) for i in range(3)])
+    assert report["replayed_blocks"] == 1
+    assert "blockagg:t:0:db.a:0-1" in comps._sink.blocks           # the old token format
+    replayed = comps._sink.blocks["blockagg:t:0:db.a:0-1"][0]
+    assert replayed == Pins(registry_pin(1), 0, DedupMode.BLOCK_HASH)
+    final = decode(comps._store.commits[("t", 0)].metadata)
+    assert final.is_final and final.pins == replayed
+    run(comps, [envelope(fds, "db.a", i) for i in range(5)])
+    assert decode(comps._store.commits[("t", 0)].metadata).pins.incarnation == 11
