@@ -9,7 +9,11 @@ Invariant 1 of the mission, checked from outside the job:
   the dead-letter table exactly once, and nothing else is;
 * ``arv verify`` over the job's group is clean (invariant 5: the committed metadata
   history has no Backward/Overlap/Gap);
-* ``arv audit`` is clean when this checkout has it (reported as ``None`` otherwise).
+* ``arv audit`` is clean when this checkout has it (reported as ``None`` otherwise);
+* values, for the tables whose schema changed during the run (``Workload.changed``, the
+  ``schema_change`` fault): every column of every row equals what its id was written
+  with, each added column its ``DEFAULT`` for rows written before its version and the
+  written value after (:func:`check_values`, computed by ClickHouse in one pass).
 
 :func:`caught_up` is the bounded wait before checking: every table's row count on
 every replica has reached what was produced (or the timeout passes, and the check
@@ -28,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.faults.workload import REPO_ROOT, Workload
+from tests.faults.workload import ADDED_MODULUS, REPO_ROOT, Workload
 
 _ARV = "import sys; sys.argv[0] = 'arv'; from blockagg.verifier.cli import main; main()"
 
@@ -42,6 +46,7 @@ class TableResult:
     unique: int
     missing: int
     unexpected: int
+    wrong: int | None = None  # rows with a wrong value; None: values not checked
 
     @property
     def duplicates(self) -> int:
@@ -49,7 +54,8 @@ class TableResult:
 
     @property
     def ok(self) -> bool:
-        return self.duplicates == 0 and self.missing == 0 and self.unexpected == 0
+        return (self.duplicates == 0 and self.missing == 0 and self.unexpected == 0
+                and not self.wrong)
 
 
 @dataclass
@@ -81,6 +87,15 @@ class Report:
         return sum(t.missing for t in self.tables)
 
     @property
+    def wrong_values(self) -> int:
+        return sum(t.wrong or 0 for t in self.tables)
+
+    @property
+    def values_checked(self) -> int:
+        """Rows whose values were compared (replica r1)."""
+        return sum(t.count for t in self.tables if t.replica == 0 and t.wrong is not None)
+
+    @property
     def ok(self) -> bool:
         return (all(t.ok for t in self.tables)
                 and not any(self.dead_duplicates.values())
@@ -90,7 +105,8 @@ class Report:
 
     def problems(self) -> list[str]:
         out = [f"{t.table}@r{t.replica + 1}: expected {t.expected}, count {t.count}, "
-               f"unique {t.unique}, missing {t.missing}, unexpected {t.unexpected}"
+               f"unique {t.unique}, missing {t.missing}, unexpected {t.unexpected}, "
+               f"wrong values {t.wrong}"
                for t in self.tables if not t.ok]
         for replica, n in self.dead_duplicates.items():
             if n:
@@ -107,6 +123,7 @@ class Report:
     def summary(self) -> dict[str, Any]:
         return {"rows_expected": self.rows_expected, "rows_stored": self.rows_stored,
                 "duplicates": self.duplicates, "missing": self.missing,
+                "wrong_values": self.wrong_values, "values_checked": self.values_checked,
                 "dead_expected": self.dead_expected,
                 "dead_stored": self.dead_stored, "verify": self.verify_code,
                 "audit": self.audit_code, "ok": self.ok}
@@ -171,9 +188,51 @@ def check_tables(workload: Workload, clients: Sequence[Any]) -> list[TableResult
             got_set = np.unique(got)
             missing = int(np.setdiff1d(want, got_set, assume_unique=False).size)
             unexpected = int(np.setdiff1d(got_set, want, assume_unique=False).size)
+            wrong = check_values(workload, client, table) if table in workload.changed \
+                else None
             results.append(TableResult(table, replica, int(want.size), int(count), int(unique),
-                                       missing, unexpected))
+                                       missing, unexpected, wrong))
     return results
+
+
+def _array(values: Sequence[str]) -> str:
+    return "[" + ", ".join(values) + "]"
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def value_conditions(workload: Workload, table: str) -> list[str]:
+    """ClickHouse conditions that hold for a row exactly when every value is what its
+    id was written with: the ten ``Event`` columns from the row pool (``id % 512``),
+    each added column its ``DEFAULT`` before its version's first id, then its value."""
+    events = workload.events
+    at = f"(id % {len(events)}) + 1"
+    kinds = ["KIND_UNSPECIFIED", "KIND_VIEW", "KIND_CLICK", "KIND_BUY"]
+    conditions = [
+        f"user = {_array([str(e.user) for e in events])}[{at}]",
+        f"delta = {_array([str(e.delta) for e in events])}[{at}]",
+        f"abs(price - {_array([repr(e.price) for e in events])}[{at}]) <= 1e-9",
+        f"abs(toFloat64(score) - {_array([repr(e.score) for e in events])}[{at}]) <= 1e-6",
+        f"name = {_array([_quote(e.name) for e in events])}[{at}]",
+        f"country = {_array([_quote(e.country) for e in events])}[{at}]",
+        f"toUnixTimestamp(time) = 1700000000 + (id % {len(events)})",
+        f"toString(kind) = {_array([_quote(kinds[e.kind]) for e in events])}[{at}]",
+        "arrayStringConcat(arrayMap(x -> toString(x), tags), ',') = "
+        f"{_array([_quote(','.join(str(t) for t in e.tags)) for e in events])}[{at}]",
+    ]
+    for added, first in workload.added_since(table):
+        conditions.append(
+            f"{added.column} = if(id >= {first}, id * {added.factor} % {ADDED_MODULUS}, "
+            f"{added.default})")
+    return conditions
+
+
+def check_values(workload: Workload, client: Any, table: str) -> int:
+    """Rows of ``table`` with at least one wrong value (:func:`value_conditions`)."""
+    where = " AND ".join(f"({c})" for c in value_conditions(workload, table))
+    return int(client.execute(f"SELECT countIf(NOT ({where})) FROM {table}")[0][0])
 
 
 def check_dead_letters(workload: Workload, clients: Sequence[Any], report: Report) -> None:

@@ -13,8 +13,9 @@ from it (restart what died, restore the network); :func:`run` mixes them at rand
 (seeded, :func:`plan`) while a producer writes the multi-table stream, one at a time
 or, with ``streams > 1``, several in flight on different resources, then waits until
 every row is in ClickHouse and runs the checker. The invariant checked at the end, whatever
-happened: every delivered row exactly once per table on both replicas, every dead
-letter exactly once, ``arv verify`` clean.
+happened: every delivered row exactly once per table on both replicas (with its values,
+for the tables a ``schema_change`` touched), every dead letter exactly once, ``arv
+verify`` clean.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ KINDS = (
     "checkpoint_deleted",    # 7. the Spark checkpoint deleted between runs
     "commit_fails",          # 8. a metadata commit fails after some blocks of a batch
     "executor_stall",        # 9. a task stalled (SIGSTOP) across a driver restart, resumed
+    "schema_change",         # 10. a column added (ALTER + register), a version or a table
 )
 
 _HOOK_STEP = {"task_after_commit": "after_commit", "task_after_insert": "after_insert",
@@ -235,6 +237,8 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
         stack.kill9("kafka")
         time.sleep(rng.uniform(1, 5))
         stack.up()
+    elif kind == "schema_change":
+        info.update(job.workload.schema_change(rng, job.folder / "schemas"))
     elif kind == "checkpoint_deleted":
         with job.lock:
             job.stop()
@@ -349,12 +353,15 @@ class Outcome:
 
 
 # Faults on the same resource never overlap (two ``scripts/stack up`` at once, two armed
-# hooks, a proxy armed while its replica is down); faults on different ones may.
+# hooks, a proxy armed while its replica is down, an ALTER while a replica or ZooKeeper
+# is down); faults on different ones may (a schema change's registration retries while
+# the broker restarts).
 _RESOURCE = {"driver_kill9": "driver", "checkpoint_deleted": "driver",
              **{kind: "hooks" for kind in _HOOK_STEP},
              "executor_stall": "hooks",
              "lost_ack": "clickhouse", "replica_kill9": "clickhouse",
-             "zookeeper_down": "clickhouse", "broker_kill9": "kafka"}
+             "zookeeper_down": "clickhouse", "schema_change": "clickhouse",
+             "broker_kill9": "kafka"}
 
 
 def plan(kinds: list[str], faults: int, seed: int) -> list[str]:
@@ -393,12 +400,17 @@ class _Run:
         rng = random.Random(self.seed * 1_000_003 + n)
         job = self.job
         starts_before = job.starts_in_this_thread()
+        # A schema change gets half its share while it is made (written with the old
+        # schema, much of it still unread when the change lands) and half after it
+        # (written with the new one).
+        during = self.per_fault // 2 if kind == "schema_change" else self.per_fault
         with self.resources[_RESOURCE[kind]]:
-            producer = threading.Thread(target=self.produce, args=(self.per_fault,),
-                                        daemon=True)
+            producer = threading.Thread(target=self.produce, args=(during,), daemon=True)
             producer.start()
             info = {"n": n, **inject(kind, job, self.stack, rng, self.zookeeper_down_s)}
             producer.join(timeout=600)
+            if during < self.per_fault:
+                self.produce(self.per_fault - during)
         job.ensure_running()
         recovered = time.monotonic()
         with self.produce_lock:

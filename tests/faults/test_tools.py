@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,57 @@ def test_workload_and_checker_agree(workload: Workload, stack: StackControl) -> 
     checker.check_dead_letters(workload, clients, report)
     assert report.dead_expected == 12 and report.dead_stored == {0: 12, 1: 12}
     assert not any(report.dead_duplicates.values()) and not any(report.dead_missing.values())
+
+
+def test_schema_changes_and_the_value_check(workload: Workload, stack: StackControl,
+                                            tmp_path: Path) -> None:
+    """The ``schema_change`` fault's three changes (a column on every replica + its
+    version, a table, a version in another package) are registered through ba-schema
+    and switch the producer; rows as a perfect job would store them pass the value
+    check, and one wrong value (in a v1 column, or the DEFAULT where the written value
+    belongs) is found."""
+    import datetime
+    import random
+
+    from blockagg.proto.registry import KafkaStore, Registry
+
+    rng = random.Random(1)
+    workload.produce(20)
+    changes = [workload.schema_change(rng, tmp_path, warm=False) for _ in range(3)]
+    assert [c["action"] for c in changes] == ["add_column", "new_table", "new_version"]
+    workload.produce(40)
+    registry = Registry.load(KafkaStore({"bootstrap.servers": workload.bootstrap},
+                                        workload.schema_topic))
+    assert len(workload.table_names()) == 4
+    for change in changes:  # every change is registered (raises otherwise)
+        registry.get(change["table"]).version(change.get("version", 1))
+    assert workload.changed == {c["table"] for c in changes}
+    kinds = ["KIND_UNSPECIFIED", "KIND_VIEW", "KIND_CLICK", "KIND_BUY"]
+    ch = client(stack.ch_ports[0], insert_quorum=2)
+    clients = workload.clients()
+    for table in sorted(workload.changed):
+        added = workload.added_since(table)
+        columns = ("id, user, delta, price, score, name, country, time, kind, tags"
+                   + "".join(f", {a.column}" for a, _ in added))
+        rows = []
+        for i in workload.produced.ids_of(table).tolist():
+            e = workload.events[i % len(workload.events)]
+            rows.append([i, e.user, e.delta, e.price, e.score, e.name, e.country,
+                         datetime.datetime.fromtimestamp(1_700_000_000 + i % 512, datetime.UTC)
+                         .replace(tzinfo=None), kinds[e.kind], list(e.tags),
+                         *[a.value(i) if i >= first else a.default for a, first in added]])
+        assert rows, f"nothing produced for {table}"
+        ch.execute(f"INSERT INTO {table} ({columns}) VALUES", rows)
+        checker.sync_replicas(clients, [table])
+        assert [checker.check_values(workload, c, table) for c in clients] == [0, 0]
+        wrong = list(rows[-1])
+        if added:  # the DEFAULT where the version wrote a value
+            wrong[0], wrong[-1] = 10**12 + wrong[0], added[-1][0].default
+        else:
+            wrong[0], wrong[1] = 10**12 + wrong[0], wrong[1] + 1
+        ch.execute(f"INSERT INTO {table} ({columns}) VALUES", [wrong])
+        checker.sync_replicas(clients, [table])
+        assert [checker.check_values(workload, c, table) for c in clients] == [1, 1]
 
 
 def test_lost_acknowledgement_leaves_one_copy(workload: Workload, stack: StackControl) -> None:

@@ -15,7 +15,18 @@ message twice: a duplicate found later is the job's, never the producer's.
 
 Rows are built fast enough for millions: a pool of pre-serialized row tails (fields
 2..10, seeded) is prefixed with field 1 (the id), which is the canonical protobuf
-encoding of the whole ``Event``.
+encoding of the whole ``Event``. A row's every value is therefore a function of its id
+(the tail is ``id % 512``), which is what lets the checker compare values, not only ids.
+
+Schemas change while the job runs (:meth:`Workload.schema_change`, the ``schema_change``
+fault): a table gets a column (``ALTER TABLE ... ADD COLUMN xN Int64 DEFAULT d`` on every
+replica, then ``ba-schema register`` of ``Event`` with field ``xN``), a new version
+(``Event`` moved to another package: the same fields), or a new table joins the stream.
+Producers pin the version they write (``schema_version = N``) and switch to the new one
+right after the registration; the first id each table's producer wrote under each
+schema is recorded, so the value of every row, the added columns included, is known:
+a row written before a column's version holds its ``DEFAULT``, a row written after,
+``id * factor % 1000003``.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +63,42 @@ COORDINATES = "_topic String, _partition UInt32, _offset UInt64"
 ``arv audit``; the fault tables have them, the benchmark tables keep the 10 columns."""
 
 BAD_ENVELOPE = b"\xff\xfe not an envelope"
+
+
+SCHEMAS_REFRESH_S = 10.0
+"""``[schemas] refresh_interval`` of the job (:meth:`Workload.job_config` keeps the default)."""
+
+ADDED_MODULUS = 1_000_003
+"""An added column's value in a row of id ``i``: ``i * factor % ADDED_MODULUS``."""
+
+
+@dataclass(frozen=True)
+class AddedField:
+    """A field (and its ``Int64`` column) added to a table's ``Event`` after v1."""
+
+    column: str
+    number: int
+    default: int
+    factor: int
+
+    def value(self, row_id: int) -> int:
+        return row_id * self.factor % ADDED_MODULUS
+
+
+@dataclass(frozen=True)
+class TableSchema:
+    """What a table's producer writes now: the version it pins, the package of its
+    ``Event`` (a new version may only move it) and the fields added since v1."""
+
+    version: int = 1
+    package: str = "blockagg.bench"
+    added: tuple[AddedField, ...] = ()
+
+    def encode_added(self, row_id: int) -> bytes:
+        return b"".join(varint(f.number << 3) + varint(f.value(row_id)) for f in self.added)
+
+
+V1 = TableSchema()
 
 
 def varint(n: int) -> bytes:
@@ -92,6 +139,30 @@ def random_events(count: int, seed: int) -> list[Any]:
     return events
 
 
+def evolved_descriptor_set(schema: TableSchema) -> bytes:
+    """``Event``'s descriptor set with ``schema``'s package and added ``int64`` fields."""
+    from google.protobuf import descriptor_pb2
+
+    fds = descriptor_pb2.FileDescriptorSet.FromString(row_descriptor_set())
+    old = "blockagg.bench"
+    for f in fds.file:
+        if f.package != old:
+            continue
+        f.package = schema.package
+        f.name = schema.package.replace(".", "/") + "/row.proto"
+        for msg in f.message_type:
+            for fd in msg.field:
+                if fd.type_name.startswith(f".{old}."):
+                    fd.type_name = f".{schema.package}." + fd.type_name[len(old) + 2:]
+            if msg.name == "Event":
+                for a in schema.added:
+                    msg.field.add(name=a.column, number=a.number, json_name=a.column,
+                                  type=descriptor_pb2.FieldDescriptorProto.TYPE_INT64,
+                                  label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+    data: bytes = fds.SerializeToString()
+    return data
+
+
 def row_tails(count: int, seed: int) -> list[bytes]:
     """``count`` serialized ``Event``s without the id (field 1), seeded."""
     return [msg.SerializeToString() for msg in random_events(count, seed)]
@@ -130,10 +201,18 @@ class Workload:
     produced: Produced = field(default_factory=Produced)
     _next_id: int = 1
     _counter: int = 0
+    # per table: what its producer writes now (absent: V1), replaced whole on a change
+    schemas: dict[str, TableSchema] = field(default_factory=dict)
+    # per table: (first id written, schema) at each schema its producer switched to
+    switches: dict[str, list[tuple[int, TableSchema]]] = field(default_factory=dict)
+    changed: set[str] = field(default_factory=set)  # tables whose values the checker reads
+    schema_changes: int = 0
+    reattached: list[tuple[str, int]] = field(default_factory=list)  # (table, replica)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
-        self.tails = row_tails(512, self.seed)
+        self.events = random_events(512, self.seed)
+        self.tails = [msg.SerializeToString() for msg in self.events]
         self._producer: Any = None
 
     # -- names ---------------------------------------------------------------------
@@ -262,8 +341,16 @@ class Workload:
         self._next_id += self.rows_per_message
         ids = np.arange(first, first + self.rows_per_message, dtype=np.uint64)
         tails = self.tails
-        rows = [b"\x08" + varint(int(n)) + tails[int(n) % len(tails)] for n in ids]
-        return table, ids, make_envelope(table, rows, version=1)
+        schema = self.schemas.get(table, V1)
+        if schema is not V1:
+            seen = self.switches.setdefault(table, [])
+            if not seen or seen[-1][1] is not schema:
+                seen.append((first, schema))
+            rows = [b"\x08" + varint(int(n)) + tails[int(n) % len(tails)]
+                    + schema.encode_added(int(n)) for n in ids]
+        else:
+            rows = [b"\x08" + varint(int(n)) + tails[int(n) % len(tails)] for n in ids]
+        return table, ids, make_envelope(table, rows, version=schema.version)
 
     def produce(self, messages: int, rate: float = 0.0, flush_timeout: float = 300.0) -> None:
         """Produce ``messages`` messages round-robin over the partitions; ``rate``
@@ -290,6 +377,145 @@ class Workload:
             raise TimeoutError(f"{left} messages not delivered after {flush_timeout}s")
         if self.produced.failures:
             raise RuntimeError(f"delivery failed: {self.produced.failures[:3]}")
+
+    # -- schema changes while the job runs (the ``schema_change`` fault) ------------
+
+    def schema_change(self, rng: random.Random, folder: Path, timeout: float = 180.0,
+                      warm: bool = True) -> dict[str, Any]:
+        """One change: ``add_column`` (ALTER on every replica, then register the version
+        with the field), ``new_table`` or ``new_version`` (``Event`` moved to another
+        package): the run's first three changes are these in this order, later ones drawn
+        with ``rng``. Producers switch to it once it is registered. Retries while a
+        replica, ZooKeeper or the broker is coming back (``timeout``); with ``warm``,
+        first waits until the table to change holds rows (the job knows it)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        self.schema_changes += 1
+        n = self.schema_changes
+        actions = ["add_column", "new_table", "new_version"]
+        action = actions[n - 1] if n <= len(actions) else rng.choice(actions)
+        if action == "new_table":
+            table = f"{self.database}.t{self.tables:03d}"
+            _retry(lambda: self._create_table(table), timeout, f"creating {table}")
+            _retry(lambda: self._register(table, V1, folder), timeout, f"registering {table}")
+            self.changed.add(table)
+            self.tables += 1  # the producer draws it from now on
+            return {"action": action, "table": table}
+        table = rng.choice(self.table_names())
+        # The job has stored rows of the table, so its long-lived workers know the table
+        # (its columns, its version) before it changes.
+        if warm:
+            _retry(lambda: self._has_rows(table), timeout, f"waiting for rows of {table}")
+        old = self.schemas.get(table, V1)
+        reattached = len(self.reattached)
+        if action == "add_column":
+            added = AddedField(f"x{n}", 10 + len(old.added) + 1, 1000 + n, 3 + n)
+            new = replace(old, version=old.version + 1, added=(*old.added, added))
+            _retry(lambda: self._add_column(table, added), timeout,
+                   f"adding column {added.column} to {table}")
+            # The job's workers re-read a table's columns every [schemas]
+            # refresh_interval: register once copies from before the ALTER have expired
+            # (docs/schemas.md, "Evolving a table while the job runs").
+            time.sleep(SCHEMAS_REFRESH_S + 0.5)
+        else:
+            new = replace(old, version=old.version + 1, package=f"blockagg.bench.v{n}")
+        _retry(lambda: self._register(table, new, folder), timeout,
+               f"registering version {new.version} of {table}")
+        self.changed.add(table)
+        self.schemas = {**self.schemas, table: new}  # the producer writes it from now on
+        return {"action": action, "table": table, "version": new.version,
+                **({"column": new.added[-1].column} if action == "add_column" else {}),
+                **({"reattached": [f"r{r + 1}" for _, r in self.reattached[reattached:]]}
+                   if len(self.reattached) > reattached else {})}
+
+    def _has_rows(self, table: str) -> None:
+        client = self.clients()[0]
+        try:
+            if not client.execute(f"SELECT count() FROM {table}")[0][0]:
+                raise RuntimeError(f"{table} is still empty")
+        finally:
+            client.disconnect()
+
+    def _create_table(self, table: str) -> None:
+        short = table.split(".", 1)[1]
+        for client in self.clients():
+            client.execute(
+                f"CREATE TABLE IF NOT EXISTS {table} ({COLUMNS}, {COORDINATES}) ENGINE = "
+                f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{self.database}/{short}', "
+                "'{replica}') ORDER BY id")
+            client.disconnect()
+
+    def _add_column(self, table: str, added: AddedField) -> None:
+        """``ALTER TABLE ... ADD COLUMN`` on every replica that lacks the column (on
+        ``ReplicatedMergeTree`` the first ALTER replicates through ZooKeeper), then
+        until every replica lists it (docs/schemas.md).
+
+        ClickHouse 18.16: a replica whose ZooKeeper session expired earlier (the
+        ``zookeeper_down`` fault) may never apply a replicated ALTER (its alter thread
+        stopped; the ALTER ends with code 341, "Alter is not finished because timeout
+        when waiting for some replicas"), and quorum inserts then stall on it. The
+        documented remedy: ``DETACH TABLE`` + ``ATTACH TABLE`` on that replica, which
+        restarts the table's replication threads and applies the ALTER."""
+        database, short = table.split(".", 1)
+        clients = self.clients()
+        try:
+            def has(client: Any) -> bool:
+                return bool(client.execute(
+                    "SELECT count() FROM system.columns WHERE database = %(d)s AND "
+                    "table = %(t)s AND name = %(c)s",
+                    {"d": database, "t": short, "c": added.column})[0][0])
+
+            for client in clients:
+                if not has(client):
+                    try:
+                        client.execute(f"ALTER TABLE {table} ADD COLUMN {added.column} Int64 "
+                                       f"DEFAULT {added.default}")
+                    except Exception as exc:
+                        # the replicated ALTER got here first, or it is applied later
+                        if "already exists" not in str(exc) and "Code: 341" not in str(exc):
+                            raise
+            deadline = time.monotonic() + 20
+            while not all(has(c) for c in clients) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            for replica, client in enumerate(clients):
+                if not has(client):
+                    self.reattached.append((table, replica))
+                    client.execute(f"DETACH TABLE {table}")
+                    client.execute(f"ATTACH TABLE {table}")
+            deadline = time.monotonic() + 30
+            while not all(has(c) for c in clients):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{table}.{added.column} is not on every replica yet")
+                time.sleep(0.5)
+        finally:
+            for c in clients:
+                c.disconnect()
+
+    def _register(self, table: str, schema: TableSchema, folder: Path) -> None:
+        """``ba-schema register`` (in-process), checked against the live columns."""
+        from click.testing import CliRunner
+
+        from blockagg.proto.cli import cli as ba_schema
+
+        path = folder / f"{table}.v{schema.version}.pb"
+        path.write_bytes(evolved_descriptor_set(schema))
+        res = CliRunner().invoke(ba_schema, [
+            "--bootstrap-servers", self.bootstrap, "--topic", self.schema_topic,
+            "--clickhouse", f"{self.ch_host}:{self.ch_ports[0]}", "register", table,
+            "--descriptor-set", str(path), "--message", f"{schema.package}.Event"])
+        if res.exit_code != 0:
+            raise RuntimeError(f"ba-schema register {table}: exit {res.exit_code}: "
+                               f"{res.output[-2000:]}")
+
+    def added_since(self, table: str) -> list[tuple[AddedField, int]]:
+        """Every column added to ``table``, with the first id written with it (a row of
+        a smaller id holds its ``DEFAULT``; ``2**63`` when none was written yet)."""
+        out: dict[str, tuple[AddedField, int]] = {}
+        for first, schema in self.switches.get(table, []):
+            for f in schema.added:
+                out.setdefault(f.column, (f, first))
+        for f in self.schemas.get(table, V1).added:
+            out.setdefault(f.column, (f, 1 << 63))
+        return list(out.values())
 
     def job_config(self, path: Path, checkpoint: Path, replicas: Sequence[str],
                    extra: str = "", quorum: int = 2) -> Path:
@@ -326,3 +552,17 @@ port = 0
 """
         path.write_text(text)
         return path
+
+
+def _retry(action: Callable[[], None], timeout: float, what: str) -> None:
+    """``action`` until it succeeds (a service of the stack may be coming back from
+    another fault), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            action()
+            return
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: still failing after {timeout:.0f}s: {exc}") from exc
+            time.sleep(1.0)
