@@ -258,6 +258,12 @@ class ClickHouseBlockWriter:
             except Exception:
                 log.debug("disconnect from %s failed", replica, exc_info=True)
 
+    def _current_replica(self) -> Replica:
+        """The replica queries go to: ``_preferred`` counts every failover, so it
+        wraps around the shard's replicas."""
+        replicas = self.config.replicas
+        return replicas[self._preferred % len(replicas)]
+
     def close(self) -> None:
         for replica in list(self._clients):
             self._drop(replica)
@@ -284,7 +290,7 @@ class ClickHouseBlockWriter:
             "WHERE database = %(db)s AND table = %(t)s", {"db": database, "t": name})
         if not rows:
             raise TableNotFound(f"table {table} does not exist (or has no columns) on "
-                                f"{self.config.replicas[self._preferred].host}")
+                                f"{self._current_replica().host}")
         columns = tuple(Column(str(n), str(t), str(k), str(e)) for n, t, k, e in rows)
         engine = self.query(
             "SELECT engine FROM system.tables WHERE database = %(db)s AND name = %(t)s",
@@ -541,12 +547,11 @@ class ClickHouseBlockWriter:
     def _with_retries(self, what: str, action: Callable[[Client], Any]) -> Any:
         from clickhouse_driver import errors as ch_errors
 
-        replicas = self.config.replicas
         delay = self.config.backoff_initial_s
         last_code: int | None = None
         last_message = ""
         for attempt in range(1, self.config.max_attempts + 1):
-            replica = replicas[self._preferred % len(replicas)]
+            replica = self._current_replica()
             try:
                 return action(self._client(replica))
             except ch_errors.ServerException as exc:

@@ -11,7 +11,11 @@ from clickhouse_driver import errors as ch_errors
 from google.protobuf.descriptor import Descriptor
 
 from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
-from blockagg.aggregator.clickhouse.exceptions import DedupNotConfigured, InsertFailed
+from blockagg.aggregator.clickhouse.exceptions import (
+    DedupNotConfigured,
+    InsertFailed,
+    TableNotFound,
+)
 from blockagg.aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
@@ -113,6 +117,25 @@ def test_gives_up_after_max_attempts(sample: Descriptor) -> None:
     with pytest.raises(InsertFailed) as info:
         make_writer(script, [], max_attempts=4).insert(block, batch)
     assert info.value.attempts == 4
+
+
+def test_missing_table_after_failovers_past_every_replica_is_table_not_found() -> None:
+    """Two failed queries on a shard of two replicas move the preferred replica past
+    the last one: the next missing table is still TableNotFound, naming a replica."""
+    columns = ("SELECT name, type, default_kind, default_expression FROM system.columns "
+               "WHERE database = %(db)s AND table = %(t)s")
+    failures = [ch_errors.NetworkError("down"), ch_errors.NetworkError("down")]
+
+    def flaky(params: Any) -> list[Any]:
+        if failures:
+            raise failures.pop(0)
+        return []
+
+    writer = make_writer({columns: flaky}, [])
+    for _ in range(2):
+        with pytest.raises(TableNotFound, match=r"db\.missing .* on a$"):
+            writer.describe("db.missing")
+        failures.extend([ch_errors.NetworkError("down")] * 2)
 
 
 def test_dead_letter_block(sample: Descriptor) -> None:
