@@ -302,7 +302,8 @@ class Driver:
         """Run the tasks of one batch over ``df``, then the ranges without rows."""
         started = time.time()
         nonempty = {tp: r for tp, r in ranges.items() if not r.empty}
-        ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id)
+        ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id,
+                          self.partition_ends(nonempty))
         reports: list[dict[str, Any]] = []
         if nonempty and self.config.job.handover == "arrow":
             rows = df.select(*ROW_COLUMNS).mapInArrow(
@@ -321,6 +322,23 @@ class Driver:
         summary.seconds = time.time() - started
         self.metrics.observe_reports(reports)
         return summary
+
+    def partition_ends(self, ranges: Mapping[TopicPartition, PlannedRange]
+                       ) -> dict[TopicPartition, int]:
+        """Each planned partition's log-end offset (high watermark), read after the
+        batch was planned, so at or above every resume offset blockagg committed for
+        it: a task whose last commit is beyond it refuses the batch
+        (``MetadataAheadOfPartition``: offsets reset or topic recreated) instead of
+        skipping the batch as delivered."""
+        if not ranges:
+            return {}
+        consumer = make_consumer(self.config.kafka.librdkafka_config(),
+                                 self.config.job.metadata_group_id)
+        try:
+            marks = watermarks(consumer, ranges)
+        finally:
+            consumer.close()
+        return {tp: max(high, ranges[tp].end) for tp, (_low, high) in marks.items()}
 
     def recover(self, committed: Mapping[TopicPartition, Committed]) -> None:
         ranges, batch_id = self.recovery_ranges(committed)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import pickle
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -56,6 +56,9 @@ class TaskContext:
     ranges: dict[TopicPartition, PlannedRange]
     batch_id: int
     run_id: int
+    partition_ends: Mapping[TopicPartition, int] = field(default_factory=dict)
+    """Each partition's log-end offset as the driver read it after planning the batch
+    (``Batch.partition_end``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +268,8 @@ def run_range(
     else:
         batch = build_batch(rng, offsets, values, timestamps_ms, registry,
                             config.dead_letters.table)
+    if tp in ctx.partition_ends:
+        batch = replace(batch, partition_end=ctx.partition_ends[tp])
     # The dead-letter rate is judged by the driver over whole batches (a window of
     # them, from dead_letters.min_messages on), after they are delivered: a partition's
     # share alone says little (1 bad message of 1 is 100%).

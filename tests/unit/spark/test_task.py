@@ -171,3 +171,24 @@ def test_live_columns_refuses_a_table_that_would_not_drop_a_retried_block(
         task.live_columns(config, topic, "db.plain")
     with pytest.raises(TableNotFound):  # prepare makes the message a dead letter
         task.live_columns(config, topic, "db.missing")
+
+
+def test_commit_beyond_the_partitions_end_refuses_the_batch() -> None:
+    """A final commit at 1000 on a partition whose log ends at 8 (offsets reset, topic
+    recreated): without the partition's end the batch [0, 8) would be skipped as
+    delivered and its messages lost; with it the task refuses, committing nothing."""
+    from blockagg.aggregator.core.exceptions import MetadataAheadOfPartition
+    from blockagg.aggregator.core.metadata import Metadata, encode
+
+    comps = Components()
+    comps._store.commit("t", 0, 1000, encode(Metadata(1, 3, 900, 1000, 1000)))
+    ranges = {("t", 0): PlannedRange("t", 0, 0, 8)}
+    values = [make_envelope("db.a", [b"r"])] * 8
+    context = TaskContext(loads(CONFIG), comps, ranges, batch_id=7, run_id=42,
+                          partition_ends={("t", 0): 8})
+    with pytest.raises(MetadataAheadOfPartition, match=r"resume offset 1000 is beyond the "
+                       r"partition's end 8"):
+        list(run_partition(context, rows(range(8), values)))
+    assert len(comps._store.history) == 1 and comps._sink.blocks == []
+    [report] = list(run_partition(ctx(comps, ranges), rows(range(8), values)))
+    assert report["skipped"]  # what happened before: the batch silently dropped

@@ -1,0 +1,86 @@
+"""Safety nets of the running job on the real stack (Kafka source, metadata store,
+offset log; the deduplicating file sink of ``job_support``):
+
+* a commit beyond the partition's end (the group's offsets reset forward, or a topic
+  recreated under the job) refuses the next batch in its task
+  (``MetadataAheadOfPartition``) instead of skipping it as delivered;
+* quiet partitions are re-committed with their unchanged metadata, so
+  ``offsets.retention.minutes`` never expires them, and ``arv verify`` stays clean.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from blockagg.aggregator.core.model import Committed
+from blockagg.spark.offsets import make_consumer, read_committed, watermarks
+from tests.integration import test_job_e2e as e2e
+from tests.integration.job_support import stored
+from tests.integration.test_job_e2e import JobEnv, Producer, _wait_for
+
+pytestmark = pytest.mark.integration
+
+job = e2e.job
+producer = e2e.producer
+
+
+def _committed(job: JobEnv) -> tuple[dict[tuple[str, int], Committed],
+                                      dict[tuple[str, int], tuple[int, int]]]:
+    """The metadata group's commits and the partitions' watermarks."""
+    consumer = make_consumer({"bootstrap.servers": job.stack_env["BLOCKAGG_BOOTSTRAP_SERVERS"]},
+                             job.group)
+    try:
+        partitions = [(job.topic, p) for p in range(3)]
+        return read_committed(consumer, partitions), watermarks(consumer, partitions)
+    finally:
+        consumer.close()
+
+
+def _wait_delivered(job: JobEnv, timeout: float = 180) -> dict[tuple[str, int], Committed]:
+    """Wait until every partition's committed offset is its log end."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        commits, ends = _committed(job)
+        if all(tp in commits and commits[tp].offset == high for tp, (_, high) in ends.items()):
+            return commits
+        time.sleep(1)
+    raise AssertionError(f"not delivered after {timeout}s: {_committed(job)}")
+
+
+def _commit(job: JobEnv, partition: int, offset: int, metadata: str) -> None:
+    from confluent_kafka import TopicPartition
+
+    consumer = make_consumer({"bootstrap.servers": job.stack_env["BLOCKAGG_BOOTSTRAP_SERVERS"]},
+                             job.group)
+    try:
+        consumer.commit(offsets=[TopicPartition(job.topic, partition, offset, metadata)],
+                        asynchronous=False)
+    finally:
+        consumer.close()
+
+
+def test_commit_beyond_the_partitions_end_refuses_the_batch_in_its_task(
+        job: JobEnv, producer: Producer) -> None:
+    producer.messages(30)
+    proc = job.popen()
+    try:
+        _wait_for(proc, "batch")
+        _wait_delivered(job)
+        before = {key for rows in stored(job.sink).rows.values() for key in rows}
+        # An offset reset forward that no tool clamped (or the topic recreated under a
+        # group that kept its commits): partition 0's resume offset is now beyond its end.
+        _commit(job, 0, 10_000, "")
+        producer.messages(30)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, out[-5000:]
+    assert "MetadataAheadOfPartition" in out and "beyond the partition's end" in out, \
+        out[-5000:]
+    after = {key for rows in stored(job.sink).rows.values() for key in rows}
+    assert not {key for key in after - before if key[1] == 0}  # nothing of p0 inserted
