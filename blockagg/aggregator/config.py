@@ -38,6 +38,7 @@ __all__ = [
     "JobConfig",
     "KafkaConfig",
     "MetricsConfig",
+    "MissingBlock",
     "Replica",
     "SchemasConfig",
     "Secret",
@@ -234,6 +235,22 @@ class TopicConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MissingBlock:
+    """A replay block the operator gives up rebuilding (``ReplayBlockMissing``): the
+    block of ``table_id`` in ``[first, last]`` of ``topic[partition]``. Its messages
+    that still exist go to the dead-letter table; everything else resumes as usual."""
+
+    topic: str
+    partition: int
+    table_id: int
+    first: int
+    last: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}:{self.partition}:{self.table_id}:{self.first}-{self.last}"
+
+
+@dataclass(frozen=True, slots=True)
 class JobConfig:
     name: str = "blockagg"
     metadata_group_id: str = "blockagg"
@@ -247,6 +264,7 @@ class JobConfig:
     lock_session_timeout: float = 10.0
     stop_timeout: float = 300.0
     handover: Literal["arrow", "rows"] = "arrow"
+    dead_letter_missing_blocks: tuple[MissingBlock, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -533,6 +551,27 @@ def _starting(value: object, path: str) -> Literal["earliest", "latest"]:
     )
 
 
+_MISSING_BLOCK: Final = re.compile(r"^([A-Za-z0-9._-]+):(\d+):(\d+):(\d+)-(\d+)$")
+
+
+def _missing_blocks(value: object, path: str) -> tuple[MissingBlock, ...]:
+    items = value if isinstance(value, list) else None
+    if items is None or not all(isinstance(v, str) for v in items):
+        raise ConfigError(
+            f"{path}: expected a list of \"topic:partition:table_id:first-last\" strings "
+            f"(as printed by ReplayBlockMissing), got {value!r}")
+    out: list[MissingBlock] = []
+    for item in items:
+        match = _MISSING_BLOCK.match(item.strip())
+        if match is None or int(match.group(4)) > int(match.group(5)):
+            raise ConfigError(
+                f"{path}: {item!r} is not \"topic:partition:table_id:first-last\" with "
+                "first <= last (copy it from the ReplayBlockMissing message)")
+        topic, partition, table_id, first, last = match.groups()
+        out.append(MissingBlock(topic, int(partition), int(table_id), int(first), int(last)))
+    return tuple(out)
+
+
 def _handover(value: object, path: str) -> Literal["arrow", "rows"]:
     if value == "arrow":
         return "arrow"
@@ -731,6 +770,8 @@ def from_dict(
         lock_session_timeout=job_t.take("lock_session_timeout", _duration, 10.0),
         stop_timeout=job_t.take("stop_timeout", _duration, 300.0),
         handover=job_t.take("handover", _handover, "arrow"),
+        dead_letter_missing_blocks=job_t.take("dead_letter_missing_blocks", _missing_blocks,
+                                              ()),
     )
     job_t.done()
     if job.lock_session_timeout >= job.lock_timeout:

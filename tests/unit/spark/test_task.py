@@ -192,3 +192,28 @@ def test_commit_beyond_the_partitions_end_refuses_the_batch() -> None:
     assert len(comps._store.history) == 1 and comps._sink.blocks == []
     [report] = list(run_partition(ctx(comps, ranges), rows(range(8), values)))
     assert report["skipped"]  # what happened before: the batch silently dropped
+
+
+def test_dead_letter_missing_blocks_routes_the_blocks_survivors() -> None:
+    """job.dead_letter_missing_blocks: the surviving messages of the abandoned block of
+    db.b go to the dead-letter table with the reason; db.a, not listed, is consumed
+    from the resume offset; nothing of db.b up to the block's last offset reaches db.b."""
+    from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+
+    comps = Components()
+    # db.a at even offsets, db.b at odd ones; db.b's block [1, 9] lost offset 1.
+    comps._store.commit("t", 0, 1, encode(Metadata(1, 3, 0, 12, 1, (BlockRange(2, 1, 9),))))
+    offsets = [o for o in range(1, 12) if o != 1]
+    values = [make_envelope("db.a" if o % 2 == 0 else "db.b", [b"r"]) for o in offsets]
+    ranges = {("t", 0): PlannedRange("t", 0, 1, 12)}
+    setting = 'dead_letter_missing_blocks = ["t:0:2:1-9"]\n'
+    config = loads(CONFIG.replace("[kafka]", setting + "[kafka]"))
+    context = TaskContext(config, comps, ranges, batch_id=7, run_id=42)
+    [report] = list(run_partition(context, rows(offsets, values)))
+    by_table: dict[str, list[int]] = {}
+    for table, offs in comps._sink.blocks:
+        by_table.setdefault(table, []).extend(offs)
+    assert sorted(by_table["blockagg.dead_letters"]) == [3, 5, 7, 9]
+    assert sorted(by_table["db.a"]) == [2, 4, 6, 8, 10]
+    assert sorted(by_table["db.b"]) == [11]
+    assert report["dead_letters"] and comps._store.commits[("t", 0)].offset == 12
