@@ -278,7 +278,7 @@ class ClickHouseConfig:
     database: str = "default"
     user: str = "default"
     password: Secret = field(default_factory=lambda: Secret(""))
-    insert_quorum: int = 0
+    insert_quorum: int | None = None
     insert_quorum_timeout: float = 60.0
     connect_timeout: float = 10.0
     send_receive_timeout: float = 300.0
@@ -288,6 +288,7 @@ class ClickHouseConfig:
     verify: bool = True
     ca_certs: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
+    allow_small_dedup_window: bool = False
 
     def __repr__(self) -> str:
         return (
@@ -297,7 +298,8 @@ class ClickHouseConfig:
             f"connect_timeout={self.connect_timeout}, "
             f"send_receive_timeout={self.send_receive_timeout}, retries={self.retries}, "
             f"retry_backoff={self.retry_backoff}, secure={self.secure}, verify={self.verify}, "
-            f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r})"
+            f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r}, "
+            f"allow_small_dedup_window={self.allow_small_dedup_window})"
         )
 
 
@@ -390,6 +392,18 @@ class Config:
     dead_letters: DeadLettersConfig
     metrics: MetricsConfig
     path: str | None = None
+
+    def insert_quorum_for(self, topic: TopicConfig) -> int:
+        """The ``insert_quorum`` of ``topic``'s inserts: its own, else
+        ``clickhouse.insert_quorum``, else every replica of its shard (0, no quorum,
+        for a shard of one replica). The safe default: a block is acknowledged only
+        once every replica has it, so losing one replica right after the final commit
+        loses nothing."""
+        if topic.insert_quorum is not None:
+            return topic.insert_quorum
+        if self.clickhouse.insert_quorum is not None:
+            return self.clickhouse.insert_quorum
+        return len(topic.replicas) if len(topic.replicas) > 1 else 0
 
     def topic_for(self, topic: str) -> TopicConfig:
         """The [[topics]] entry serving ``topic``; exact names win over patterns."""
@@ -833,7 +847,7 @@ def from_dict(
         database=ch_t.take("database", _nonempty, "default"),
         user=ch_t.take("user", _nonempty, "default"),
         password=Secret(password),
-        insert_quorum=ch_t.take("insert_quorum", _int(0), 0),
+        insert_quorum=ch_t.take("insert_quorum", _int(0), None),
         insert_quorum_timeout=ch_t.take("insert_quorum_timeout", _duration, 60.0),
         connect_timeout=ch_t.take("connect_timeout", _duration, 10.0),
         send_receive_timeout=ch_t.take("send_receive_timeout", _duration, 300.0),
@@ -843,12 +857,13 @@ def from_dict(
         verify=ch_t.take("verify", _bool, True),
         ca_certs=ch_t.take("ca_certs", _nonempty, None),
         settings=settings,
+        allow_small_dedup_window=ch_t.take("allow_small_dedup_window", _bool, False),
     )
     ch_t.done()
     for topic in topics:
         quorum = topic.insert_quorum if topic.insert_quorum is not None else (
             clickhouse.insert_quorum)
-        if quorum > len(topic.replicas):
+        if quorum is not None and quorum > len(topic.replicas):
             key = "insert_quorum of " + topic.label if topic.insert_quorum is not None else (
                 "clickhouse.insert_quorum")
             raise ConfigError(

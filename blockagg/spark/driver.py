@@ -38,7 +38,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from types import FrameType
@@ -46,8 +46,9 @@ from typing import Any
 
 from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.deadletter_rate import RateThreshold, RateWindow
+from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
 from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.config import Config
+from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.exceptions import ConfigError
@@ -207,7 +208,18 @@ class Driver:
         )
         self.lock.acquire(self.config.job.lock_timeout)
 
-    def check_tables(self, partitions: int) -> None:
+    def dedup_need(self, topic: TopicConfig, partitions: Sequence[TopicPartition]
+                   ) -> DedupNeed:
+        """The deduplication window ``topic``'s shard needs: every partition of every
+        topic on the same replicas may write any of its tables and its dead-letter
+        table (``aggregator.clickhouse.dedup_window``)."""
+        shard = set(topic.replicas)
+        on_shard = sum(1 for name, _ in partitions
+                       if set(self.config.topic_for(name).replicas) == shard)
+        return DedupNeed(on_shard, self.config.job.max_offsets_per_trigger,
+                         self.config.blocks.max_rows)
+
+    def check_tables(self, partitions: Sequence[TopicPartition]) -> None:
         """The writer's startup check on each shard, over the tables the job can route
         to there: every registered table that exists on the shard (envelopes name
         any of them; one that doesn't exist gets dead letters), and the dead-letter
@@ -218,7 +230,9 @@ class Driver:
         registry may hold tables no topic of this job carries; the task checks a
         table again before decoding the first message routed to it
         (:func:`spark.task.live_columns`) and fails the batch there, before anything
-        of it is committed or inserted."""
+        of it is committed or inserted. A deduplication window below the shard's need
+        refuses the start (``DedupWindowTooSmall``) for every table, unless
+        ``clickhouse.allow_small_dedup_window``."""
         registry = self.components.registry(self.config)
         current = getattr(registry, "current", None)
         if current is None:
@@ -230,10 +244,12 @@ class Driver:
         names = sorted({*current().tables().values(), dead_letter_table})
         for topic in self.config.topics:
             writer = make_writer(self.config, topic)
+            need = self.dedup_need(topic, partitions)
             try:
                 for table in names:
                     try:
-                        warnings = writer.check_tables([table], writers=partitions)
+                        warnings = writer.check_tables(
+                            [table], need, self.config.clickhouse.allow_small_dedup_window)
                     except TableNotFound:
                         continue  # not on this shard; its messages become dead letters
                     except DedupNotConfigured as exc:
@@ -494,7 +510,7 @@ class Driver:
         check_speculation(self.spark)
         self.acquire_lock()
         partitions, committed, _ = self.read_start()
-        self.check_tables(len(partitions))
+        self.check_tables(partitions)
         self.recover(committed)
         if self.recovery_ranges(committed)[0]:
             _, committed, _ = self.read_start()

@@ -11,8 +11,10 @@ from clickhouse_driver import errors as ch_errors
 from google.protobuf.descriptor import Descriptor
 
 from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
+from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
 from blockagg.aggregator.clickhouse.exceptions import (
     DedupNotConfigured,
+    DedupWindowTooSmall,
     InsertFailed,
     TableNotFound,
 )
@@ -184,9 +186,14 @@ def test_check_refuses_plain_mergetree() -> None:
 def test_check_accepts_window_and_warns_about_coordinates() -> None:
     script = _check_script(
         "MergeTree", "CREATE TABLE db.t ... SETTINGS non_replicated_deduplication_window = 5")
-    warnings = make_writer(script, []).check_tables(["db.t"], writers=4)
+    need = DedupNeed(partitions=4, max_offsets_per_trigger=None, max_rows=100)
+    with pytest.raises(DedupWindowTooSmall, match=r"table db\.t: "
+                       r"non_replicated_deduplication_window = 5 is below the 8 blocks"):
+        make_writer(script, []).check_tables(["db.t"], need)
+    warnings = make_writer(script, []).check_tables(["db.t"], need, allow_small_window=True)
     assert any("_topic" in w for w in warnings)
-    assert any("window 5 is small" in w for w in warnings)
+    assert any("= 5 is below the 8 blocks" in w for w in warnings)
+    assert make_writer(script, []).check_tables(["db.t"], DedupNeed(2, None, 100))[1:] == []
 
 
 def test_check_refuses_profile_and_distributed() -> None:
