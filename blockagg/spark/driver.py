@@ -49,11 +49,13 @@ from blockagg.aggregator.clickhouse.deadletter_rate import RateThreshold, RateWi
 from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
 from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
 from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.aggregator.core.exceptions import MetadataDecodeError
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
+from blockagg.aggregator.core.protocol import undecodable_commit
 from blockagg.aggregator.exceptions import ConfigError
 from blockagg.spark.components import Components, DefaultComponents
-from blockagg.spark.exceptions import JobError
+from blockagg.spark.exceptions import JobError, refusal_in
 from blockagg.spark.lock import GroupLock, check_metadata_group_idle
 from blockagg.spark.metrics import JobMetrics
 from blockagg.spark.offsets import (
@@ -297,7 +299,12 @@ class Driver:
             text = commit.metadata.rstrip("\x00")
             if not is_blockagg(text):
                 continue
-            metadata = decode(text)
+            try:
+                metadata = decode(text)
+            except MetadataDecodeError as exc:
+                raise JobError(undecodable_commit(
+                    tp[0], tp[1], commit.offset, exc,
+                    self.config.job.metadata_group_id)) from None
             if metadata.resume != commit.offset or not metadata.blocks:
                 continue
             end = max(b.last for b in metadata.blocks) + 1
@@ -406,7 +413,7 @@ class Driver:
             for code in re.findall(r"Code: (\d+)", str(exc))[:1]:
                 self.metrics.clickhouse_errors.labels(code).inc()
             logs.event(log, "batch failed", level=40, batch=batch_id,
-                       error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+                       error=refusal_in(exc) or f"{type(exc).__name__}: {str(exc)[:2000]}")
             raise
         finally:
             with self._state:
@@ -567,7 +574,8 @@ class Driver:
         if error is not None and "GracefulStop" not in str(error):
             self.failure = error
         if self.failure is not None:
-            logs.event(log, "query failed", level=40, error=str(self.failure)[:4000])
+            logs.event(log, "query failed", level=40,
+                       error=refusal_in(self.failure) or str(self.failure)[:4000])
             return 1
         logs.event(log, "stopped", batches=len(self.batches), run=f"{self.run_id:016x}")
         return 0

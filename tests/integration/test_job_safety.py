@@ -10,10 +10,12 @@ offset log; the deduplicating file sink of ``job_support``):
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import time
 
+import msgpack
 import pytest
 
 from blockagg.aggregator.core.model import Committed
@@ -84,3 +86,35 @@ def test_commit_beyond_the_partitions_end_refuses_the_batch_in_its_task(
         out[-5000:]
     after = {key for rows in stored(job.sink).rows.values() for key in rows}
     assert not {key for key in after - before if key[1] == 0}  # nothing of p0 inserted
+
+
+CRAFTED = "ba1:" + base64.b85encode(msgpack.packb(
+    [1, 0, 0, 10, 10, b"", [2**40, 0, 0, 0]], use_bin_type=True)).decode()
+"""The issue's 31-byte metadata: 2**40 blocks of zero-bit fields."""
+
+
+def test_an_undecodable_commit_refuses_its_partition_with_a_clear_message(
+        job: JobEnv, producer: Producer) -> None:
+    """At start (the driver reads every commit) and while running (the task reads it):
+    exit 1, the partition and the way out named, no traceback in the refusal."""
+    producer.messages(30)
+    proc = job.popen()
+    try:
+        _wait_for(proc, "batch")
+        _wait_delivered(job)
+        _commit(job, 1, 10, CRAFTED)
+        producer.messages(30)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, out[-5000:]
+    [failed] = [line for line in out.splitlines() if "query failed" in line]
+    assert f"MetadataDecodeError: {job.topic}[1]: the last commit" in failed, failed
+    assert "Traceback" not in failed and f"--topic {job.topic}:1 --to-offset" in failed
+
+    restart = job.run(timeout=240)
+    assert restart.returncode == 1, restart.stdout[-3000:] + restart.stderr[-3000:]
+    said = restart.stdout + restart.stderr
+    assert f"{job.topic}[1]: the last commit of {job.group} (offset 10)" in said, said[-6000:]
+    assert "Traceback" not in said

@@ -318,6 +318,12 @@ def _unpack_bits(data: bytes, widths: object) -> list[int]:
         raise MetadataDecodeError(f"bad bit widths in the block list: {widths!r:.80}")
     count, *column_widths = widths
     row = sum(column_widths)
+    if count > 8 * len(data) + 1:
+        # Checked before anything is allocated: a block takes at least one bit, but
+        # for a lone block whose three values are all 0 (row width 0), so a count
+        # above the bits there are is a crafted string (2**40 blocks of 0 bits).
+        raise MetadataDecodeError(
+            f"block list of {len(data)} bytes can't hold {count} blocks")
     total = count * row
     if len(data) != (total + 7) // 8:
         raise MetadataDecodeError(

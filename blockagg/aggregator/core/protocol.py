@@ -33,6 +33,7 @@ from blockagg.aggregator.core.exceptions import (
     BatchEndsInsideReplayBlock,
     MetadataAheadOfPartition,
     MetadataContractViolation,
+    MetadataDecodeError,
     OffsetGap,
     PinsMismatch,
     ReplayBlockMissing,
@@ -91,6 +92,19 @@ class Resumption:
     blocks: tuple[BlockRange, ...] = ()
     foreign: str | None = None
     metadata: Metadata | None = None
+
+
+def undecodable_commit(topic: str, partition: int, offset: int, error: MetadataDecodeError,
+                       group: str = "the metadata group") -> str:
+    """Why a partition whose last commit does not decode is refused, and what to do."""
+    return (
+        f"{topic}[{partition}]: the last commit of {group} (offset {offset}) carries "
+        f"blockagg metadata that does not decode ({error}). The partition is refused: "
+        "nothing of its batch is committed or inserted. "
+        f"Inspect its history with arv verify --group ... --topic {topic}; to go on, commit "
+        f"a position you know is delivered (kafka-consumer-groups.sh --reset-offsets "
+        f"--topic {topic}:{partition} --to-offset N --execute), which the job reads as "
+        "foreign metadata and resumes from without replay.")
 
 
 def read_committed(committed: Committed | None) -> Resumption:
@@ -396,7 +410,12 @@ def plan_batch(
     :class:`MetadataTooLarge` before any operation exists, so a refused batch leaves
     Kafka and ClickHouse untouched.
     """
-    resumption = read_committed(committed)
+    try:
+        resumption = read_committed(committed)
+    except MetadataDecodeError as exc:
+        assert committed is not None
+        raise MetadataDecodeError(undecodable_commit(
+            batch.topic, batch.partition, committed.offset, exc)) from None
     expected = _pins_for(f"{batch.topic}[{batch.partition}]", resumption, batch.pins)
     if expected != batch.pins:
         raise PinsMismatch(

@@ -315,3 +315,20 @@ def test_abandoned_replay_block_loses_nothing_else_across_crashes() -> None:
     assert {("db.t0", o, 0) for o in (13, 16, 19)} <= stored  # the block's survivors
     assert {("db.t3", 11, 0), ("db.t3", 14, 0), ("db.t3", 17, 0)} <= stored
     assert not any(t == "db.t2" and o <= 19 for t, o, _ in stored)
+
+
+def test_a_crafted_commit_refuses_its_partition_naming_it_and_the_way_out() -> None:
+    """The issue's 31-byte string (2**40 blocks of zero-bit fields) as the last commit:
+    the batch is refused with MetadataDecodeError naming the partition and the reset."""
+    import base64
+
+    import msgpack
+
+    crafted = "ba1:" + base64.b85encode(msgpack.packb(
+        [1, 0, 0, 10, 10, b"", [2**40, 0, 0, 0]], use_bin_type=True)).decode()
+    store, sink = MemoryMetadataStore(), DedupSink()
+    store.commit("events", 0, 10, crafted)
+    with pytest.raises(MetadataDecodeError, match=r"events\[0\]: the last commit .* \(offset "
+                       r"10\) .*can't hold 1099511627776 blocks.*--topic events:0 --to-offset"):
+        process_batch(make_batch(STREAM, 10, 30), store, sink, THRESHOLDS, run=2, batch_id=1)
+    assert len(store.history) == 1 and sink.inserted == []

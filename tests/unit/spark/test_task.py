@@ -217,3 +217,19 @@ def test_dead_letter_missing_blocks_routes_the_blocks_survivors() -> None:
     assert sorted(by_table["db.a"]) == [2, 4, 6, 8, 10]
     assert sorted(by_table["db.b"]) == [11]
     assert report["dead_letters"] and comps._store.commits[("t", 0)].offset == 12
+
+
+def test_refusal_in_finds_the_blockagg_error_in_sparks_wrapping() -> None:
+    from blockagg.spark.exceptions import refusal_in
+
+    wrapped = (
+        "An error occurred while calling o123.collectToPython.\n"
+        ": org.apache.spark.SparkException: Job aborted due to stage failure: ...\n"
+        "Traceback (most recent call last):\n"
+        '  File "/x/task.py", line 290, in run_range\n'
+        "blockagg.aggregator.core.exceptions.MetadataDecodeError: events[3]: the last "
+        "commit does not decode\n"
+        "\tat org.apache.spark.api.python.BasePythonRunner...\n")
+    assert refusal_in(wrapped) == ("MetadataDecodeError: events[3]: the last commit does "
+                                   "not decode")
+    assert refusal_in(RuntimeError("py4j: connection reset")) is None
