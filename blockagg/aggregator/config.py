@@ -265,6 +265,7 @@ class JobConfig:
     stop_timeout: float = 300.0
     handover: Literal["arrow", "rows"] = "arrow"
     dead_letter_missing_blocks: tuple[MissingBlock, ...] = ()
+    idle_commit_interval: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -786,6 +787,7 @@ def from_dict(
         handover=job_t.take("handover", _handover, "arrow"),
         dead_letter_missing_blocks=job_t.take("dead_letter_missing_blocks", _missing_blocks,
                                               ()),
+        idle_commit_interval=job_t.take("idle_commit_interval", _duration, 3600.0),
     )
     job_t.done()
     if job.lock_session_timeout >= job.lock_timeout:

@@ -56,6 +56,7 @@ from blockagg.aggregator.core.protocol import undecodable_commit
 from blockagg.aggregator.exceptions import ConfigError
 from blockagg.spark.components import Components, DefaultComponents
 from blockagg.spark.exceptions import JobError, refusal_in
+from blockagg.spark.idle import IdleRefresher, broker_retention_minutes, check_idle_interval
 from blockagg.spark.lock import GroupLock, check_metadata_group_idle
 from blockagg.spark.metrics import JobMetrics
 from blockagg.spark.offsets import (
@@ -185,6 +186,8 @@ class Driver:
         self.dead_letter_rate = RateWindow(RateThreshold(
             max_rate=dl.max_rate, min_messages=dl.min_messages, window=dl.window,
             table=dl.table))
+        self.idle = IdleRefresher(config.job.idle_commit_interval, time.monotonic)
+        self.partitions: set[TopicPartition] = set()
 
     # ------------------------------------------------------------------ startup
 
@@ -264,6 +267,39 @@ class Driver:
             finally:
                 writer.close()
 
+    def check_idle_interval(self) -> None:
+        """Refuse a ``job.idle_commit_interval`` that the brokers' offset retention
+        would outrun (``spark.idle``); a cluster that does not tell its retention
+        gets a warning."""
+        from confluent_kafka.admin import AdminClient
+
+        settings: dict[str, str | int | float | bool] = dict(
+            self.config.kafka.librdkafka_config())
+        retention = broker_retention_minutes(AdminClient(settings))
+        if retention is None:
+            logs.event(log, "offsets.retention.minutes unknown", level=30,
+                       warning="could not describe the brokers' configuration; make sure "
+                       "job.idle_commit_interval is well below offsets.retention.minutes")
+            return
+        check_idle_interval(self.config.job.idle_commit_interval, retention)
+
+    def refresh_idle(self, busy: Mapping[TopicPartition, object] | None = None) -> None:
+        """Re-commit, unchanged, the partitions not committed for
+        ``job.idle_commit_interval`` that no task of the current batch touches
+        (``busy``), so the brokers' offset retention never expires them. A failure is
+        logged and retried at the next chance: nothing depends on it yet."""
+        due = self.idle.due(self.partitions, busy)
+        if not due:
+            return
+        try:
+            count = self.idle.refresh(self.components.store(self.config), due)
+        except Exception as exc:
+            logs.event(log, "idle re-commit failed", level=30,
+                       error=f"{type(exc).__name__}: {str(exc)[:500]}")
+            return
+        if count:
+            logs.event(log, "idle partitions re-committed", partitions=count)
+
     def read_start(self) -> tuple[list[TopicPartition], dict[TopicPartition, Committed],
                                   dict[TopicPartition, tuple[int, int]]]:
         consumer = make_consumer(self.config.kafka.librdkafka_config(),
@@ -342,6 +378,8 @@ class Driver:
         summary = BatchSummary(batch_id)
         for rep in reports:
             summary.add(rep)
+            if int(rep["commits"]):
+                self.idle.saw_commit((rep["topic"], rep["partition"]))
         summary.seconds = time.time() - started
         self.metrics.observe_reports(reports)
         return summary
@@ -407,6 +445,8 @@ class Driver:
         started = time.time()
         try:
             ranges = self._planned(batch_id)
+            self.partitions.update(ranges)
+            self.refresh_idle({tp: r for tp, r in ranges.items() if not r.empty})
             summary = self.run_ranges(df, ranges, batch_id)
         except BaseException as exc:
             self.metrics.batches.labels("failed").inc()
@@ -516,7 +556,9 @@ class Driver:
         """Checks, lock, recovery and query start (no waiting)."""
         check_speculation(self.spark)
         self.acquire_lock()
+        self.check_idle_interval()
         partitions, committed, _ = self.read_start()
+        self.partitions.update(partitions)
         self.check_tables(partitions)
         self.recover(committed)
         if self.recovery_ranges(committed)[0]:
@@ -547,6 +589,9 @@ class Driver:
                     self.request_stop("caught up")
                 if should_stop is not None and should_stop(self):
                     self.request_stop("test")
+                with self._state:
+                    if not self._in_batch and not self._stop_requested.is_set():
+                        self.refresh_idle()
                 if self._stop_requested.is_set():
                     if stop_deadline is None:
                         stop_deadline = time.monotonic() + self.config.job.stop_timeout
