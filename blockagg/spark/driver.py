@@ -21,7 +21,8 @@ One run of the job:
    (``spark.task.run_arrow_partition`` over Arrow record batches, or
    ``run_partition`` over rows with ``job.handover = "rows"``), runs ranges that had
    no visible row on the driver,
-   and folds the reports into metrics and one log line.
+   and folds the reports into metrics and one log line. Quiet partitions are
+   re-committed unchanged every ``job.idle_commit_interval`` (``spark.idle``).
 5. **Stop.** SIGTERM/SIGINT stop the query between batches (a batch in progress is
    finished first, up to ``stop_timeout``); a kill -9 anywhere is safe, the next run
    replays.

@@ -424,7 +424,7 @@ def plan_batch(
             "the replay decides every message as its first attempt did"
         )
     resume = batch.start if resumption.resume is None else resumption.resume
-    _refusals(batch, resume, resumption.blocks)
+    _refusals(batch, resume, tuple(b for b in resumption.blocks if b not in batch.abandoned))
     if batch.end <= resume:
         return Plan(
             batch=batch,

@@ -332,3 +332,22 @@ def test_a_crafted_commit_refuses_its_partition_naming_it_and_the_way_out() -> N
                        r"10\) .*can't hold 1099511627776 blocks.*--topic events:0 --to-offset"):
         process_batch(make_batch(STREAM, 10, 30), store, sink, THRESHOLDS, run=2, batch_id=1)
     assert len(store.history) == 1 and sink.inserted == []
+
+
+def test_an_abandoned_block_may_span_several_batches() -> None:
+    """The abandoned block [10, 19] with batches [10, 15) and [15, 30): no
+    BatchEndsInsideReplayBlock for it, and every surviving message lands once."""
+    import dataclasses
+
+    missing = BlockRange(2, 10, 19)
+    store, sink = MemoryMetadataStore(), DedupSink()
+    commit_metadata(store, Metadata(1, 0, 0, 30, 10, (missing,)))
+    compacted = [m for m in STREAM if m[0] != 10]
+    routed = [(o, 0 if t == 2 and 10 <= o <= 19 else t, 1 if t == 2 and o <= 19 else r)
+              for o, t, r in compacted]
+    for start, end in ((10, 15), (15, 30)):
+        batch = dataclasses.replace(make_batch(routed, start, end, partition_end=30),
+                                    abandoned=(missing,))
+        process_batch(batch, store, sink, THRESHOLDS, run=2, batch_id=start)
+    assert not sink.duplicates()
+    assert set(sink.rows) == set(expected_rows([m for m in routed if m[0] >= 10]))
