@@ -11,6 +11,7 @@ offset log; the deduplicating file sink of ``job_support``):
 from __future__ import annotations
 
 import base64
+import json
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ import msgpack
 import pytest
 from click.testing import CliRunner
 
+from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
 from blockagg.aggregator.core.model import Committed
 from blockagg.spark.offsets import make_consumer, read_committed, watermarks
 from blockagg.verifier.cli import cli as verify_cli
@@ -26,7 +28,7 @@ from blockagg.verifier.history import HistoryReader
 from blockagg.verifier.rules import Commit
 from tests.integration import test_job_e2e as e2e
 from tests.integration.job_support import stored
-from tests.integration.test_job_e2e import JobEnv, Producer, _wait_for
+from tests.integration.test_job_e2e import JobEnv, Producer, _wait_for, assert_exact
 
 pytestmark = pytest.mark.integration
 
@@ -167,3 +169,36 @@ def test_quiet_partitions_are_recommitted_unchanged_and_verify_stays_clean(
                                              job.stack_env["BLOCKAGG_BOOTSTRAP_SERVERS"],
                                              "--group", job.group])
     assert result.exit_code == 0, result.stdout + result.stderr
+
+
+def test_a_missing_replay_block_is_given_up_without_losing_other_tables(
+        job: JobEnv, producer: Producer) -> None:
+    """Partition 0 carries only db.b; its last commit is made to list a block of db.a
+    ([10, 15], as if compaction or a recreated topic had removed its messages): the task
+    refuses with ReplayBlockMissing, printing the setting; restarted with it, db.b's
+    messages in [10, 15], which a reset to 16 would have skipped, are delivered once."""
+    producer.messages(30)
+    proc = job.popen()
+    try:
+        _wait_for(proc, "batch")
+        _wait_delivered(job)
+        _commit(job, 0, 10, encode(Metadata(1, 5, 10, 20, 10, (BlockRange(1, 10, 15),))))
+        producer.messages(30)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, out[-5000:]
+    [failed] = [line for line in out.splitlines() if "query failed" in line]
+    setting = f'job.dead_letter_missing_blocks=["{job.topic}:0:1:10-15"]'
+    assert "ReplayBlockMissing" in failed and setting in failed.replace("\\\"", '"'), failed
+    result = job.run("--until-caught-up", "--set", setting, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    assert_exact(job, producer)
+    # arv shows the given-up block once, as a gap: its table got none of its messages.
+    verified = CliRunner().invoke(verify_cli, [
+        "verify", "--bootstrap-servers", job.stack_env["BLOCKAGG_BOOTSTRAP_SERVERS"],
+        "--group", job.group, "--json"])
+    findings = [json.loads(line) for line in verified.stdout.splitlines() if line.strip()]
+    assert [(f["kind"], f["partition"], f["table_id"]) for f in findings
+            if f["kind"] != "foreign_writer"] == [("gap", 0, 1)], verified.stdout
