@@ -391,15 +391,22 @@ class Driver:
         batch was planned, so at or above every resume offset blockagg committed for
         it: a task whose last commit is beyond it refuses the batch
         (``MetadataAheadOfPartition``: offsets reset or topic recreated) instead of
-        skipping the batch as delivered."""
+        skipping the batch as delivered. When the brokers don't answer, the batch runs
+        without that check (logged): the tasks' own commits retry through an outage,
+        and a batch should not fail for its safety net alone."""
         if not ranges:
             return {}
-        consumer = make_consumer(self.config.kafka.librdkafka_config(),
-                                 self.config.job.metadata_group_id)
         try:
-            marks = watermarks(consumer, ranges)
-        finally:
-            consumer.close()
+            consumer = make_consumer(self.config.kafka.librdkafka_config(),
+                                     self.config.job.metadata_group_id)
+            try:
+                marks = watermarks(consumer, ranges)
+            finally:
+                consumer.close()
+        except Exception as exc:
+            logs.event(log, "partition ends unknown", level=30,
+                       error=f"{type(exc).__name__}: {str(exc)[:500]}")
+            return {}
         return {tp: max(high, ranges[tp].end) for tp, (_low, high) in marks.items()}
 
     def recover(self, committed: Mapping[TopicPartition, Committed]) -> None:
