@@ -733,8 +733,7 @@ def build_services(cfg: StackConfig) -> dict[str, Service]:
                 *kafka_java(),
                 "kafka.tools.StorageTool",
                 "format",
-                "--cluster-id",
-                kafka_cluster_id(),
+                f"--cluster-id={kafka_cluster_id()}",  # an id may start with "-"
                 "--config",
                 str(kafka_dir / "server.properties"),
                 "--ignore-formatted",

@@ -38,6 +38,7 @@ __all__ = [
     "JobConfig",
     "KafkaConfig",
     "MetricsConfig",
+    "MissingBlock",
     "Replica",
     "SchemasConfig",
     "Secret",
@@ -234,6 +235,22 @@ class TopicConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MissingBlock:
+    """A replay block the operator gives up rebuilding (``ReplayBlockMissing``): the
+    block of ``table_id`` in ``[first, last]`` of ``topic[partition]``. Its messages
+    that still exist go to the dead-letter table; everything else resumes as usual."""
+
+    topic: str
+    partition: int
+    table_id: int
+    first: int
+    last: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}:{self.partition}:{self.table_id}:{self.first}-{self.last}"
+
+
+@dataclass(frozen=True, slots=True)
 class JobConfig:
     name: str = "blockagg"
     metadata_group_id: str = "blockagg"
@@ -247,6 +264,8 @@ class JobConfig:
     lock_session_timeout: float = 10.0
     stop_timeout: float = 300.0
     handover: Literal["arrow", "rows"] = "arrow"
+    dead_letter_missing_blocks: tuple[MissingBlock, ...] = ()
+    idle_commit_interval: float = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +279,7 @@ class ClickHouseConfig:
     database: str = "default"
     user: str = "default"
     password: Secret = field(default_factory=lambda: Secret(""))
-    insert_quorum: int = 0
+    insert_quorum: int | None = None
     insert_quorum_timeout: float = 60.0
     connect_timeout: float = 10.0
     send_receive_timeout: float = 300.0
@@ -270,6 +289,7 @@ class ClickHouseConfig:
     verify: bool = True
     ca_certs: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
+    allow_small_dedup_window: bool = False
 
     def __repr__(self) -> str:
         return (
@@ -279,7 +299,8 @@ class ClickHouseConfig:
             f"connect_timeout={self.connect_timeout}, "
             f"send_receive_timeout={self.send_receive_timeout}, retries={self.retries}, "
             f"retry_backoff={self.retry_backoff}, secure={self.secure}, verify={self.verify}, "
-            f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r})"
+            f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r}, "
+            f"allow_small_dedup_window={self.allow_small_dedup_window})"
         )
 
 
@@ -372,6 +393,18 @@ class Config:
     dead_letters: DeadLettersConfig
     metrics: MetricsConfig
     path: str | None = None
+
+    def insert_quorum_for(self, topic: TopicConfig) -> int:
+        """The ``insert_quorum`` of ``topic``'s inserts: its own, else
+        ``clickhouse.insert_quorum``, else every replica of its shard (0, no quorum,
+        for a shard of one replica). The safe default: a block is acknowledged only
+        once every replica has it, so losing one replica right after the final commit
+        loses nothing."""
+        if topic.insert_quorum is not None:
+            return topic.insert_quorum
+        if self.clickhouse.insert_quorum is not None:
+            return self.clickhouse.insert_quorum
+        return len(topic.replicas) if len(topic.replicas) > 1 else 0
 
     def topic_for(self, topic: str) -> TopicConfig:
         """The [[topics]] entry serving ``topic``; exact names win over patterns."""
@@ -531,6 +564,27 @@ def _starting(value: object, path: str) -> Literal["earliest", "latest"]:
         f"{path}: expected \"earliest\" or \"latest\" (where partitions without committed "
         f"metadata start), got {value!r}"
     )
+
+
+_MISSING_BLOCK: Final = re.compile(r"^([A-Za-z0-9._-]+):(\d+):(\d+):(\d+)-(\d+)$")
+
+
+def _missing_blocks(value: object, path: str) -> tuple[MissingBlock, ...]:
+    items = value if isinstance(value, list) else None
+    if items is None or not all(isinstance(v, str) for v in items):
+        raise ConfigError(
+            f"{path}: expected a list of \"topic:partition:table_id:first-last\" strings "
+            f"(as printed by ReplayBlockMissing), got {value!r}")
+    out: list[MissingBlock] = []
+    for item in items:
+        match = _MISSING_BLOCK.match(item.strip())
+        if match is None or int(match.group(4)) > int(match.group(5)):
+            raise ConfigError(
+                f"{path}: {item!r} is not \"topic:partition:table_id:first-last\" with "
+                "first <= last (copy it from the ReplayBlockMissing message)")
+        topic, partition, table_id, first, last = match.groups()
+        out.append(MissingBlock(topic, int(partition), int(table_id), int(first), int(last)))
+    return tuple(out)
 
 
 def _handover(value: object, path: str) -> Literal["arrow", "rows"]:
@@ -731,6 +785,9 @@ def from_dict(
         lock_session_timeout=job_t.take("lock_session_timeout", _duration, 10.0),
         stop_timeout=job_t.take("stop_timeout", _duration, 300.0),
         handover=job_t.take("handover", _handover, "arrow"),
+        dead_letter_missing_blocks=job_t.take("dead_letter_missing_blocks", _missing_blocks,
+                                              ()),
+        idle_commit_interval=job_t.take("idle_commit_interval", _duration, 3600.0),
     )
     job_t.done()
     if job.lock_session_timeout >= job.lock_timeout:
@@ -792,7 +849,7 @@ def from_dict(
         database=ch_t.take("database", _nonempty, "default"),
         user=ch_t.take("user", _nonempty, "default"),
         password=Secret(password),
-        insert_quorum=ch_t.take("insert_quorum", _int(0), 0),
+        insert_quorum=ch_t.take("insert_quorum", _int(0), None),
         insert_quorum_timeout=ch_t.take("insert_quorum_timeout", _duration, 60.0),
         connect_timeout=ch_t.take("connect_timeout", _duration, 10.0),
         send_receive_timeout=ch_t.take("send_receive_timeout", _duration, 300.0),
@@ -802,12 +859,13 @@ def from_dict(
         verify=ch_t.take("verify", _bool, True),
         ca_certs=ch_t.take("ca_certs", _nonempty, None),
         settings=settings,
+        allow_small_dedup_window=ch_t.take("allow_small_dedup_window", _bool, False),
     )
     ch_t.done()
     for topic in topics:
         quorum = topic.insert_quorum if topic.insert_quorum is not None else (
             clickhouse.insert_quorum)
-        if quorum > len(topic.replicas):
+        if quorum is not None and quorum > len(topic.replicas):
             key = "insert_quorum of " + topic.label if topic.insert_quorum is not None else (
                 "clickhouse.insert_quorum")
             raise ConfigError(

@@ -15,6 +15,7 @@ from typing import Final
 from google.protobuf.message import DecodeError
 
 from blockagg.proto.blockagg.v1.envelope_pb2 import Envelope
+from blockagg.proto.exceptions import EnvelopeDecodeError
 
 LATEST: Final = 0
 """``schema_version`` meaning "the latest registered version"."""
@@ -45,24 +46,42 @@ def is_table_name(name: str) -> bool:
     return _TABLE_RE.match(name) is not None
 
 
-def parse_envelope(value: bytes | bytearray | memoryview | None) -> Parsed | Rejected:
-    """Parse one Kafka message value; never raises."""
+def decode_envelope(value: bytes | bytearray | memoryview | None) -> Parsed:
+    """Decode one Kafka message value; raises :class:`EnvelopeDecodeError` (its
+    ``table`` attribute set when readable) and nothing else.
+
+    The bytes come from any producer, so nothing in them is trusted before it is
+    checked: upb refuses a length-delimited field (table, row) longer than the bytes
+    left before allocating it, so a row count is bounded by the value's size (a row
+    takes at least 2 bytes); the fuzz tests hold it under a memory limit."""
     if value is None:
-        return Rejected("message has no value (null or tombstone)")
+        raise EnvelopeDecodeError("message has no value (null or tombstone)")
     try:
         envelope = Envelope.FromString(bytes(value))
-    except (DecodeError, ValueError, TypeError) as exc:
-        return Rejected(f"envelope does not decode as blockagg.v1.Envelope: {exc}")
+    except (DecodeError, ValueError, TypeError, RuntimeError) as exc:
+        raise EnvelopeDecodeError(
+            f"envelope does not decode as blockagg.v1.Envelope: {exc}") from None
     table = envelope.table
     if not is_table_name(table):
-        return Rejected(
+        error = EnvelopeDecodeError(
             f"envelope table {table!r:.120} is not 'database.table' "
-            "(identifiers of letters, digits and '_')",
-            table=table[:200],
-        )
+            "(identifiers of letters, digits and '_')")
+        error.table = table[:200]
+        raise error
     if not envelope.rows:
-        return Rejected("envelope carries no rows", table=table)
+        error = EnvelopeDecodeError("envelope carries no rows")
+        error.table = table
+        raise error
     return Parsed(table, int(envelope.schema_version), list(envelope.rows))
+
+
+def parse_envelope(value: bytes | bytearray | memoryview | None) -> Parsed | Rejected:
+    """Parse one Kafka message value; never raises: a value that does not decode is
+    :class:`Rejected` with the reason (a dead letter)."""
+    try:
+        return decode_envelope(value)
+    except EnvelopeDecodeError as exc:
+        return Rejected(str(exc), table=exc.table)
 
 
 def make_envelope(table: str, rows: list[bytes], version: int = LATEST) -> bytes:

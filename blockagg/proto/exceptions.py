@@ -10,6 +10,14 @@ class ProtoError(BlockaggError):
     """Base of the protobuf side's errors."""
 
 
+class EnvelopeDecodeError(ProtoError):
+    """A Kafka message value is not a usable ``blockagg.v1.Envelope`` (the job turns it
+    into a dead letter with this reason); ``table`` is the table it names when that
+    much was readable."""
+
+    table: str = ""
+
+
 class SchemaError(ProtoError):
     """A message type or descriptor can't be used for a table (unsupported field
     type, missing message, unreadable FileDescriptorSet, .proto that won't compile)."""
@@ -18,6 +26,11 @@ class SchemaError(ProtoError):
 class RegistryError(ProtoError):
     """The schema registry topic can't be read or written, or holds a registration
     that contradicts the registry's rules (ids never change, versions only grow)."""
+
+
+class RegistryDecodeError(RegistryError):
+    """A record of the registry topic is not a valid ``blockagg.v1.Registration``
+    (skipped with a warning, so running jobs keep what they had)."""
 
 
 class UnknownTable(RegistryError):

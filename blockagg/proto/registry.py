@@ -45,6 +45,7 @@ from blockagg.proto.envelope import LATEST, is_table_name
 from blockagg.proto.exceptions import (
     CompatibilityError,
     IncompatibleSchema,
+    RegistryDecodeError,
     RegistryError,
     UnknownTable,
     UnknownVersion,
@@ -169,11 +170,13 @@ class Registration:
     def decode(key: bytes | None, value: bytes) -> Registration:
         try:
             msg = registry_pb2.Registration.FromString(value)
-        except DecodeError as exc:
-            raise RegistryError(f"registry record {key!r} is not a Registration: {exc}") from exc
+        except (DecodeError, ValueError, TypeError, RuntimeError) as exc:
+            raise RegistryDecodeError(
+                f"registry record {key!r:.120} is not a Registration: {exc}") from None
         table = msg.table
         if key is not None and key.decode("utf-8", "replace") != table:
-            raise RegistryError(f"registry record key {key!r} does not match table {table!r}")
+            raise RegistryDecodeError(
+                f"registry record key {key!r:.120} does not match table {table!r:.120}")
         versions = tuple(SchemaVersion(v.version, v.message_name, v.file_descriptor_set,
                                        v.registered_at_ms, tuple(v.forced_incompatibilities),
                                        v.position,
@@ -182,10 +185,11 @@ class Registration:
                          for v in msg.versions)
         numbers = [v.version for v in versions]
         if not versions or numbers != sorted(set(numbers)) or numbers[0] < 1:
-            raise RegistryError(f"registration of {table} has bad versions {numbers}")
+            raise RegistryDecodeError(
+                f"registration of {table!r:.120} has bad versions {numbers!r:.200}")
         if msg.table_id < 1:
-            raise RegistryError(f"registration of {table} has table id {msg.table_id}; ids "
-                                "start at 1")
+            raise RegistryDecodeError(f"registration of {table!r:.120} has table id "
+                                      f"{msg.table_id}; ids start at 1")
         return Registration(table, msg.table_id, versions, msg.compatibility)
 
 

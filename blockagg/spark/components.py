@@ -135,7 +135,7 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
     from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 
     ch = config.clickhouse
-    quorum = topic.insert_quorum if topic.insert_quorum is not None else ch.insert_quorum
+    quorum = config.insert_quorum_for(topic)
     return ClickHouseBlockWriter(WriterConfig(
         replicas=tuple(Replica(r.host, r.port) for r in topic.replicas),
         user=ch.user,

@@ -21,7 +21,8 @@ One run of the job:
    (``spark.task.run_arrow_partition`` over Arrow record batches, or
    ``run_partition`` over rows with ``job.handover = "rows"``), runs ranges that had
    no visible row on the driver,
-   and folds the reports into metrics and one log line.
+   and folds the reports into metrics and one log line. Quiet partitions are
+   re-committed unchanged every ``job.idle_commit_interval`` (``spark.idle``).
 5. **Stop.** SIGTERM/SIGINT stop the query between batches (a batch in progress is
    finished first, up to ``stop_timeout``); a kill -9 anywhere is safe, the next run
    replays.
@@ -38,7 +39,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from types import FrameType
@@ -46,13 +47,17 @@ from typing import Any
 
 from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.deadletter_rate import RateThreshold, RateWindow
+from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
 from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.config import Config
+from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.aggregator.core.exceptions import MetadataDecodeError
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
+from blockagg.aggregator.core.protocol import undecodable_commit
 from blockagg.aggregator.exceptions import ConfigError
 from blockagg.spark.components import Components, DefaultComponents
-from blockagg.spark.exceptions import JobError
+from blockagg.spark.exceptions import JobError, refusal_in
+from blockagg.spark.idle import IdleRefresher, broker_retention_minutes, check_idle_interval
 from blockagg.spark.lock import GroupLock, check_metadata_group_idle
 from blockagg.spark.metrics import JobMetrics
 from blockagg.spark.offsets import (
@@ -182,6 +187,8 @@ class Driver:
         self.dead_letter_rate = RateWindow(RateThreshold(
             max_rate=dl.max_rate, min_messages=dl.min_messages, window=dl.window,
             table=dl.table))
+        self.idle = IdleRefresher(config.job.idle_commit_interval, time.monotonic)
+        self.partitions: set[TopicPartition] = set()
 
     # ------------------------------------------------------------------ startup
 
@@ -208,7 +215,18 @@ class Driver:
         )
         self.lock.acquire(self.config.job.lock_timeout)
 
-    def check_tables(self, partitions: int) -> None:
+    def dedup_need(self, topic: TopicConfig, partitions: Sequence[TopicPartition]
+                   ) -> DedupNeed:
+        """The deduplication window ``topic``'s shard needs: every partition of every
+        topic on the same replicas may write any of its tables and its dead-letter
+        table (``aggregator.clickhouse.dedup_window``)."""
+        shard = set(topic.replicas)
+        on_shard = sum(1 for name, _ in partitions
+                       if set(self.config.topic_for(name).replicas) == shard)
+        return DedupNeed(on_shard, self.config.job.max_offsets_per_trigger,
+                         self.config.blocks.max_rows)
+
+    def check_tables(self, partitions: Sequence[TopicPartition]) -> None:
         """The writer's startup check on each shard, over the tables the job can route
         to there: every registered table that exists on the shard (envelopes name
         any of them; one that doesn't exist gets dead letters), and the dead-letter
@@ -219,7 +237,9 @@ class Driver:
         registry may hold tables no topic of this job carries; the task checks a
         table again before decoding the first message routed to it
         (:func:`spark.task.live_columns`) and fails the batch there, before anything
-        of it is committed or inserted."""
+        of it is committed or inserted. A deduplication window below the shard's need
+        refuses the start (``DedupWindowTooSmall``) for every table, unless
+        ``clickhouse.allow_small_dedup_window``."""
         registry = self.components.registry(self.config)
         current = getattr(registry, "current", None)
         if current is None:
@@ -231,10 +251,12 @@ class Driver:
         names = sorted({*current().tables().values(), dead_letter_table})
         for topic in self.config.topics:
             writer = make_writer(self.config, topic)
+            need = self.dedup_need(topic, partitions)
             try:
                 for table in names:
                     try:
-                        warnings = writer.check_tables([table], writers=partitions)
+                        warnings = writer.check_tables(
+                            [table], need, self.config.clickhouse.allow_small_dedup_window)
                     except TableNotFound:
                         continue  # not on this shard; its messages become dead letters
                     except DedupNotConfigured as exc:
@@ -246,6 +268,39 @@ class Driver:
                                    warning=warning)
             finally:
                 writer.close()
+
+    def check_idle_interval(self) -> None:
+        """Refuse a ``job.idle_commit_interval`` that the brokers' offset retention
+        would outrun (``spark.idle``); a cluster that does not tell its retention
+        gets a warning."""
+        from confluent_kafka.admin import AdminClient
+
+        settings: dict[str, str | int | float | bool] = dict(
+            self.config.kafka.librdkafka_config())
+        retention = broker_retention_minutes(AdminClient(settings))
+        if retention is None:
+            logs.event(log, "offsets.retention.minutes unknown", level=30,
+                       warning="could not describe the brokers' configuration; make sure "
+                       "job.idle_commit_interval is well below offsets.retention.minutes")
+            return
+        check_idle_interval(self.config.job.idle_commit_interval, retention)
+
+    def refresh_idle(self, busy: Mapping[TopicPartition, object] | None = None) -> None:
+        """Re-commit, unchanged, the partitions not committed for
+        ``job.idle_commit_interval`` that no task of the current batch touches
+        (``busy``), so the brokers' offset retention never expires them. A failure is
+        logged and retried at the next chance: nothing depends on it yet."""
+        due = self.idle.due(self.partitions, busy)
+        if not due:
+            return
+        try:
+            count = self.idle.refresh(self.components.store(self.config), due)
+        except Exception as exc:
+            logs.event(log, "idle re-commit failed", level=30,
+                       error=f"{type(exc).__name__}: {str(exc)[:500]}")
+            return
+        if count:
+            logs.event(log, "idle partitions re-committed", partitions=count)
 
     def read_start(self) -> tuple[list[TopicPartition], dict[TopicPartition, Committed],
                                   dict[TopicPartition, tuple[int, int]]]:
@@ -282,7 +337,12 @@ class Driver:
             text = commit.metadata.rstrip("\x00")
             if not is_blockagg(text):
                 continue
-            metadata = decode(text)
+            try:
+                metadata = decode(text)
+            except MetadataDecodeError as exc:
+                raise JobError(undecodable_commit(
+                    tp[0], tp[1], commit.offset, exc,
+                    self.config.job.metadata_group_id)) from None
             if metadata.resume != commit.offset or not metadata.blocks:
                 continue
             end = max(b.last for b in metadata.blocks) + 1
@@ -303,7 +363,8 @@ class Driver:
         """Run the tasks of one batch over ``df``, then the ranges without rows."""
         started = time.time()
         nonempty = {tp: r for tp, r in ranges.items() if not r.empty}
-        ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id)
+        ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id,
+                          self.partition_ends(nonempty))
         reports: list[dict[str, Any]] = []
         if nonempty and self.config.job.handover == "arrow":
             rows = df.select(*ROW_COLUMNS).mapInArrow(
@@ -319,9 +380,35 @@ class Driver:
         summary = BatchSummary(batch_id)
         for rep in reports:
             summary.add(rep)
+            if int(rep["commits"]):
+                self.idle.saw_commit((rep["topic"], rep["partition"]))
         summary.seconds = time.time() - started
         self.metrics.observe_reports(reports)
         return summary
+
+    def partition_ends(self, ranges: Mapping[TopicPartition, PlannedRange]
+                       ) -> dict[TopicPartition, int]:
+        """Each planned partition's log-end offset (high watermark), read after the
+        batch was planned, so at or above every resume offset blockagg committed for
+        it: a task whose last commit is beyond it refuses the batch
+        (``MetadataAheadOfPartition``: offsets reset or topic recreated) instead of
+        skipping the batch as delivered. When the brokers don't answer, the batch runs
+        without that check (logged): the tasks' own commits retry through an outage,
+        and a batch should not fail for its safety net alone."""
+        if not ranges:
+            return {}
+        try:
+            consumer = make_consumer(self.config.kafka.librdkafka_config(),
+                                     self.config.job.metadata_group_id)
+            try:
+                marks = watermarks(consumer, ranges)
+            finally:
+                consumer.close()
+        except Exception as exc:
+            logs.event(log, "partition ends unknown", level=30,
+                       error=f"{type(exc).__name__}: {str(exc)[:500]}")
+            return {}
+        return {tp: max(high, ranges[tp].end) for tp, (_low, high) in marks.items()}
 
     def recover(self, committed: Mapping[TopicPartition, Committed]) -> None:
         ranges, batch_id = self.recovery_ranges(committed)
@@ -367,13 +454,15 @@ class Driver:
         started = time.time()
         try:
             ranges = self._planned(batch_id)
+            self.partitions.update(ranges)
+            self.refresh_idle({tp: r for tp, r in ranges.items() if not r.empty})
             summary = self.run_ranges(df, ranges, batch_id)
         except BaseException as exc:
             self.metrics.batches.labels("failed").inc()
             for code in re.findall(r"Code: (\d+)", str(exc))[:1]:
                 self.metrics.clickhouse_errors.labels(code).inc()
             logs.event(log, "batch failed", level=40, batch=batch_id,
-                       error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+                       error=refusal_in(exc) or f"{type(exc).__name__}: {str(exc)[:2000]}")
             raise
         finally:
             with self._state:
@@ -482,8 +571,10 @@ class Driver:
         """Checks, lock, recovery and query start (no waiting)."""
         check_speculation(self.spark)
         self.acquire_lock()
+        self.check_idle_interval()
         partitions, committed, _ = self.read_start()
-        self.check_tables(len(partitions))
+        self.partitions.update(partitions)
+        self.check_tables(partitions)
         self.recover(committed)
         if self.recovery_ranges(committed)[0]:
             _, committed, _ = self.read_start()
@@ -513,6 +604,9 @@ class Driver:
                     self.request_stop("caught up")
                 if should_stop is not None and should_stop(self):
                     self.request_stop("test")
+                with self._state:
+                    if not self._in_batch and not self._stop_requested.is_set():
+                        self.refresh_idle()
                 if self._stop_requested.is_set():
                     if stop_deadline is None:
                         stop_deadline = time.monotonic() + self.config.job.stop_timeout
@@ -540,7 +634,8 @@ class Driver:
         if error is not None and "GracefulStop" not in str(error):
             self.failure = error
         if self.failure is not None:
-            logs.event(log, "query failed", level=40, error=str(self.failure)[:4000])
+            logs.event(log, "query failed", level=40,
+                       error=refusal_in(self.failure) or str(self.failure)[:4000])
             return 1
         logs.event(log, "stopped", batches=len(self.batches), run=f"{self.run_id:016x}")
         return 0

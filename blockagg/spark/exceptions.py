@@ -1,6 +1,10 @@
 """Errors of the Spark job: the driver refuses to start or to go on, with a reason."""
 
+import re
+
 from blockagg.aggregator.exceptions import BlockaggError
+
+_RAISED = re.compile(r"^(blockagg(?:\.\w+)+)\.(\w+): (.+)$", re.MULTILINE)
 
 
 class JobError(BlockaggError):
@@ -23,3 +27,15 @@ class LockLost(JobError):
 class TaskContractError(JobError):
     """A Spark task got rows that break the one-partition-per-task contract."""
 
+
+
+def refusal_in(failure: BaseException | str) -> str | None:
+    """The blockagg error a failed Spark task raised, as ``Name: message``, found in
+    the text Spark wraps it in (a JVM stack and the executor's Python traceback), so
+    the operator reads the refusal (``MetadataDecodeError: events[3]: ...``), not the
+    traces; ``None`` when the failure is not one of ours."""
+    found = _RAISED.findall(str(failure))
+    if not found:
+        return None
+    _module, name, message = found[-1]
+    return f"{name}: {message}"

@@ -24,8 +24,8 @@ from __future__ import annotations
 import pickle
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
 from blockagg.aggregator.config import Config, TopicConfig
-from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, NO_PINS, Pins
+from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, NO_PINS, BlockRange, Pins
 from blockagg.aggregator.core.model import (
     Batch,
     Block,
@@ -66,6 +66,9 @@ class TaskContext:
     ranges: dict[TopicPartition, PlannedRange]
     batch_id: int
     run_id: int
+    partition_ends: Mapping[TopicPartition, int] = field(default_factory=dict)
+    """Each partition's log-end offset as the driver read it after planning the batch
+    (``Batch.partition_end``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +253,38 @@ def prepare_batch(
     )
 
 
+def route_missing_blocks(batch: Batch, config: Config, values: Sequence[bytes | None],
+                         timestamps_ms: Sequence[int]) -> Batch:
+    """The batch with the surviving messages of the operator's abandoned blocks
+    (``job.dead_letter_missing_blocks``) turned into dead letters, and those blocks
+    in ``Batch.abandoned`` (the core then skips the rest of their table up to their
+    last offset). A pure function of the messages and the setting, so every retry
+    routes alike while the setting stays."""
+    mine = [b for b in config.job.dead_letter_missing_blocks
+            if (b.topic, b.partition) == (batch.topic, batch.partition)]
+    if not mine:
+        return batch
+    table_ids = batch.table_ids.copy()
+    payloads = list(batch.payloads)
+    for b in mine:
+        hit = np.flatnonzero((table_ids == b.table_id) & (batch.offsets >= b.first)
+                             & (batch.offsets <= b.last))
+        name = batch.tables.get(b.table_id, f"#{b.table_id}")
+        reason = (f"replay block missing: block [{b.first}, {b.last}] of table {name} lost "
+                  "messages to retention or compaction; this message may already be in "
+                  "the table")
+        for i in hit.tolist():
+            payloads[i] = make_dead_letter(batch.topic, batch.partition,
+                                           int(batch.offsets[i]), int(timestamps_ms[i]),
+                                           values[i], reason, name)
+        table_ids[hit] = DEAD_LETTER_TABLE_ID
+    tables = {**batch.tables, DEAD_LETTER_TABLE_ID: config.dead_letters.table}
+    row_counts = np.where(table_ids != batch.table_ids, 1, batch.row_counts)
+    abandoned = tuple(BlockRange(b.table_id, b.first, b.last) for b in mine)
+    return replace(batch, table_ids=table_ids, payloads=payloads, tables=tables,
+                   row_counts=row_counts, abandoned=abandoned)
+
+
 def _error_code(exc: BaseException) -> str | None:
     code = getattr(exc, "code", None)
     return str(code) if isinstance(code, int) else None
@@ -360,6 +395,9 @@ def _run_attempt(
     else:
         batch = build_batch(rng, offsets, values, timestamps_ms, registry,
                             config.dead_letters.table, pins)
+    if tp in ctx.partition_ends:
+        batch = replace(batch, partition_end=ctx.partition_ends[tp])
+    batch = route_missing_blocks(batch, config, values, timestamps_ms)
     # The dead-letter rate is judged by the driver over whole batches (a window of
     # them, from dead_letters.min_messages on), after they are delivered: a partition's
     # share alone says little (1 bad message of 1 is 100%).

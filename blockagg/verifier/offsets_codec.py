@@ -193,6 +193,9 @@ class _Reader:
 
     def tagged_fields(self) -> tuple[tuple[int, bytes], ...]:
         count = self.uvarint()
+        if count > (len(self.data) - self.pos) // 2:
+            raise self.fail(f"{count} tagged fields can't fit in the "
+                            f"{len(self.data) - self.pos} bytes left (2 bytes each at least)")
         tags: list[tuple[int, bytes]] = []
         previous = -1
         for _ in range(count):

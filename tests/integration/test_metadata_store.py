@@ -10,12 +10,26 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from blockagg.aggregator.core.metadata import BlockRange, Metadata, decode, encode
+from blockagg.aggregator.core.exceptions import MetadataTooLarge
+from blockagg.aggregator.core.metadata import (
+    DEFAULT_MAX_BYTES,
+    BlockRange,
+    Metadata,
+    decode,
+    encode,
+    longest_metadata,
+)
 from blockagg.aggregator.core.model import Thresholds
 from blockagg.aggregator.core.protocol import plan_batch, process_batch
 from blockagg.aggregator.kafka.exceptions import OffsetMetadataTooLarge
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
-from tests.unit.core.fakes import DedupSink, expected_rows, make_batch, run_crashing
+from tests.unit.core.fakes import (
+    DedupSink,
+    expected_rows,
+    make_batch,
+    metadata_of_length,
+    run_crashing,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -51,6 +65,26 @@ def test_metadata_over_the_broker_limit_is_refused_naming_the_setting(
     topic = new_topic(prefix="ms")
     with pytest.raises(OffsetMetadataTooLarge, match=r"offset\.metadata\.max\.bytes"):
         store.commit(topic, 0, 1, "x" * 5000)
+
+
+def test_the_encoders_limit_is_the_brokers_less_the_clients_nul(
+    store: KafkaMetadataStore, new_topic: Callable[..., str]
+) -> None:
+    """offset.metadata.max.bytes = 4096 (the stack's broker runs the default): the
+    client's trailing NUL counts, so 4095 characters are accepted and 4096 refused
+    by the broker; our encoder refuses what the broker would, before any commit."""
+    topic = new_topic(prefix="ms")
+    longest = longest_metadata(DEFAULT_MAX_BYTES)
+    store.commit(topic, 0, 1, "x" * longest)
+    with pytest.raises(OffsetMetadataTooLarge):
+        store.commit(topic, 0, 1, "x" * (longest + 1))
+    # Base85 has no encoding of 4095 characters: 4094 is the longest there is.
+    fits = encode(metadata_of_length(longest - 1))
+    store.commit(topic, 0, 1_000_000, fits)
+    committed = store.committed(topic, 0)
+    assert committed is not None and committed.metadata == fits
+    with pytest.raises(MetadataTooLarge, match=r"offset\.metadata\.max\.bytes"):
+        encode(metadata_of_length(longest + 1))
 
 
 def test_500_table_metadata_is_accepted_by_the_broker(

@@ -280,3 +280,29 @@ def test_follow_serves_metrics(kafka_bootstrap: str, data_topic: str) -> None:
     result = outcome["result"]
     assert result.exit_code == 1, result.stderr
     assert [json.loads(line)["kind"] for line in result.stdout.splitlines()] == ["gap"]
+
+
+def test_a_crafted_commit_is_reported_and_the_other_groups_are_checked(
+        kafka_bootstrap: str, data_topic: str) -> None:
+    """The issue's 31-byte metadata (2**40 blocks of zero-bit fields) in one group: arv
+    reports that commit as undecodable, with its group, partition and record, checks the
+    other group (whose gap is found too), prints its summary and exits 1."""
+    import base64
+
+    import msgpack
+
+    crafted = "ba1:" + base64.b85encode(msgpack.packb(
+        [1, 0, 0, 10, 10, b"", [2**40, 0, 0, 0]], use_bin_type=True)).decode()
+    bad = commit_history(kafka_bootstrap, data_topic, [md(0, 10, 10), (10, crafted)])
+    other = commit_history(kafka_bootstrap, data_topic,
+                           [md(100, 200, 200), md(210, 300, 210, batch=1)])
+    result = CliRunner().invoke(cli, ["verify", "--bootstrap-servers", kafka_bootstrap,
+                                      "--group", bad, "--group", other, "--json"])
+    findings = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    assert result.exit_code == 1, result.stderr
+    [undecodable] = [f for f in findings if f["kind"] == "undecodable"]
+    assert undecodable["group"] == bad and undecodable["partition"] == 0
+    assert undecodable["offset"] == 10 and undecodable["coordinator_offset"] >= 0
+    assert "can't hold 1099511627776 blocks" in undecodable["detail"]
+    assert [f["group"] for f in findings if f["kind"] == "gap"] == [other]
+    assert "checked 4 commits of 2 partitions" in result.stderr

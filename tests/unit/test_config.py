@@ -310,3 +310,32 @@ def test_secret_behaviour() -> None:
     s = Secret("x")
     assert repr(s) == "Secret('***')" and str(s) == "Secret('***')" and f"{s}" == "Secret('***')"
     assert s.reveal() == "x" and s == Secret("x") and bool(s) and not Secret("")
+
+
+def test_dead_letter_missing_blocks_parse_and_refusals() -> None:
+    config = cfg(overrides={"job.dead_letter_missing_blocks": ["events:3:17:120-950"]})
+    [block] = config.job.dead_letter_missing_blocks
+    assert (block.topic, block.partition, block.table_id, block.first, block.last) == (
+        "events", 3, 17, 120, 950)
+    assert str(block) == "events:3:17:120-950"
+    for bad in (["events:3:17:950-120"], ["events:3:17"], "events:3:17:1-2"):
+        with pytest.raises(ConfigError, match="dead_letter_missing_blocks"):
+            cfg(overrides={"job.dead_letter_missing_blocks": bad})
+
+
+def test_insert_quorum_defaults_to_every_replica_of_the_shard() -> None:
+    config = cfg("""
+[[topics]]
+name = "single"
+replicas = ["ch3:9000"]
+
+[[topics]]
+name = "pinned"
+replicas = ["ch4:9000", "ch5:9000", "ch6:9000"]
+insert_quorum = 2
+""")
+    quorum = {t.label: config.insert_quorum_for(t) for t in config.topics}
+    assert quorum == {"events": 2, "single": 0, "pinned": 2}
+    off = cfg("[clickhouse]\ninsert_quorum = 0\n")
+    assert off.insert_quorum_for(off.topics[0]) == 0
+    assert not cfg().clickhouse.allow_small_dedup_window

@@ -18,6 +18,11 @@ class DedupNotConfigured(ClickHouseError):
     """A table would not drop a retried block; inserting into it could duplicate."""
 
 
+class DedupWindowTooSmall(ClickHouseError):
+    """A table's deduplication window is smaller than the blocks a retried block may
+    have to outlive (``aggregator.clickhouse.dedup_window``)."""
+
+
 class TableNotFound(ClickHouseError):
     """The table does not exist on the replica."""
 

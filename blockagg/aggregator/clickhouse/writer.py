@@ -42,6 +42,7 @@ import numpy.typing as npt
 
 from blockagg.aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_COLUMNS
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter
+from blockagg.aggregator.clickhouse.dedup_window import DedupNeed, judge_window
 from blockagg.aggregator.clickhouse.exceptions import (
     ClickHouseError,
     DedupModeMismatch,
@@ -259,6 +260,12 @@ class ClickHouseBlockWriter:
             except Exception:
                 log.debug("disconnect from %s failed", replica, exc_info=True)
 
+    def _current_replica(self) -> Replica:
+        """The replica queries go to: ``_preferred`` counts every failover, so it
+        wraps around the shard's replicas."""
+        replicas = self.config.replicas
+        return replicas[self._preferred % len(replicas)]
+
     def close(self) -> None:
         for replica in list(self._clients):
             self._drop(replica)
@@ -293,7 +300,7 @@ class ClickHouseBlockWriter:
             "WHERE database = %(db)s AND table = %(t)s", {"db": database, "t": name})
         if not rows:
             raise TableNotFound(f"table {table} does not exist (or has no columns) on "
-                                f"{self.config.replicas[self._preferred].host}")
+                                f"{self._current_replica().host}")
         columns = tuple(Column(str(n), str(t), str(k), str(e)) for n, t, k, e in rows)
         engine = self.query(
             "SELECT engine FROM system.tables WHERE database = %(db)s AND name = %(t)s",
@@ -302,15 +309,17 @@ class ClickHouseBlockWriter:
         return TableInfo(table, columns, str(engine[0][0]) if engine else "",
                          all(c in names for c in COORDINATE_COLUMNS))
 
-    def check_tables(self, tables: Sequence[str], writers: int = 1) -> list[str]:
+    def check_tables(self, tables: Sequence[str], need: DedupNeed | None = None,
+                     allow_small_window: bool = False) -> list[str]:
         """Refuse tables that won't deduplicate; return warnings.
 
         Raises :class:`DedupNotConfigured` when a table is not ``Replicated*`` and
         has no ``non_replicated_deduplication_window`` > 0, or when the user's
-        profile sets ``insert_deduplicate = 0``. Warns when a table lacks the
+        profile sets ``insert_deduplicate = 0``; :class:`DedupWindowTooSmall` when
+        the window is below ``need`` (``aggregator.clickhouse.dedup_window``; a
+        warning with ``allow_small_window``). Warns when a table lacks the
         Kafka-coordinate columns (a new block equal to a recent one would be
-        dropped by content-hash deduplication) and when the deduplication window
-        is smaller than ``writers`` (partitions writing to the table) x 2.
+        dropped by content-hash deduplication).
         """
         warnings: list[str] = []
         profile = self.query("SELECT value FROM system.settings "
@@ -324,6 +333,7 @@ class ClickHouseBlockWriter:
             info = self.describe(table)
             create = str(self.query(f"SHOW CREATE TABLE {table}")[0][0])
             window = _setting_in_create(create, "replicated_deduplication_window")
+            setting = "replicated_deduplication_window"
             if info.engine.startswith("Replicated"):
                 if window is None:
                     window = self._merge_tree_setting("replicated_deduplication_window", 100)
@@ -333,7 +343,8 @@ class ClickHouseBlockWriter:
                         "at least 100 (ALTER TABLE ... MODIFY SETTING or the table's "
                         "SETTINGS) so retried blocks are deduplicated")
             elif info.engine.endswith("MergeTree"):
-                window = _setting_in_create(create, "non_replicated_deduplication_window")
+                setting = "non_replicated_deduplication_window"
+                window = _setting_in_create(create, setting)
                 if window is None:
                     window = self._merge_tree_setting("non_replicated_deduplication_window", 0)
                 if not window:
@@ -347,11 +358,10 @@ class ClickHouseBlockWriter:
                     f"table {table} uses engine {info.engine or '(none)'}, which does not "
                     "deduplicate inserts; insert into the shard's ReplicatedMergeTree table "
                     "(not a Distributed, Buffer or view)")
-            if window is not None and window < 2 * writers:
-                warnings.append(
-                    f"table {table}: deduplication window {window} is small for {writers} "
-                    "writers; raise replicated_deduplication_window (or "
-                    "non_replicated_deduplication_window) so a retry still finds its block")
+            if window is not None and need is not None:
+                warning = judge_window(table, setting, window, need, allow_small_window)
+                if warning is not None:
+                    warnings.append(warning)
             if not info.coordinates and table != self.config.dead_letter_table:
                 missing = ", ".join(c for c in COORDINATE_COLUMNS
                                     if c not in {col.name for col in info.columns})
@@ -610,12 +620,11 @@ class ClickHouseBlockWriter:
     def _with_retries(self, what: str, action: Callable[[Client], Any]) -> Any:
         from clickhouse_driver import errors as ch_errors
 
-        replicas = self.config.replicas
         delay = self.config.backoff_initial_s
         last_code: int | None = None
         last_message = ""
         for attempt in range(1, self.config.max_attempts + 1):
-            replica = replicas[self._preferred % len(replicas)]
+            replica = self._current_replica()
             try:
                 return action(self._client(replica))
             except ch_errors.ServerException as exc:

@@ -60,9 +60,13 @@ def _missing(batch: Batch, replay: BlockRange, name: str) -> ReplayBlockMissing:
         f"[{batch.start}, {batch.end}) has no message of that table at offset "
         f"{replay.first} or {replay.last}: the messages were deleted by "
         "retention or compaction, or the topic was recreated. The block can't be rebuilt "
-        "identically. To acknowledge the loss, reset the group's offset past the block "
-        f"(kafka-consumer-groups.sh --reset-offsets --to-offset {replay.last + 1} ...) and "
-        "restart; the job then reports the reset as foreign metadata."
+        "identically, and it may or may not be in ClickHouse. To go on without losing "
+        "anything else, restart with --set 'job.dead_letter_missing_blocks="
+        f"[\"{batch.topic}:{batch.partition}:{replay.table_id}:{replay.first}-{replay.last}\"]'"
+        ": the block's surviving messages go to the dead-letter table (reason: replay "
+        "block missing), every other message is delivered as usual (docs/running.md). "
+        "Do not reset the group's offset past the block: that would also skip the "
+        "undelivered messages of the other tables below it."
     )
 
 

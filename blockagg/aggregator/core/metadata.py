@@ -56,6 +56,18 @@ PREFIXES: Final = (PREFIX, PREFIX_PINNED)
 DEFAULT_MAX_BYTES: Final = 4096
 """Kafka's default ``offset.metadata.max.bytes``."""
 
+CLIENT_TERMINATOR_BYTES: Final = 1
+"""What the client adds to the metadata string on the wire: librdkafka sends it with
+its trailing NUL, and the broker counts that byte against ``offset.metadata.max.bytes``
+(a 4095-character string is accepted under the default 4096, a 4096-character one is
+refused: ``tests/integration/test_metadata_store.py``)."""
+
+
+def longest_metadata(max_bytes: int) -> int:
+    """The longest metadata string a broker with ``offset.metadata.max.bytes =
+    max_bytes`` accepts."""
+    return max_bytes - CLIENT_TERMINATOR_BYTES
+
 DEAD_LETTER_TABLE_ID: Final = 0
 """Table id reserved for the dead-letter table."""
 
@@ -306,6 +318,12 @@ def _unpack_bits(data: bytes, widths: object) -> list[int]:
         raise MetadataDecodeError(f"bad bit widths in the block list: {widths!r:.80}")
     count, *column_widths = widths
     row = sum(column_widths)
+    if count > 8 * len(data) + 1:
+        # Checked before anything is allocated: a block takes at least one bit, but
+        # for a lone block whose three values are all 0 (row width 0), so a count
+        # above the bits there are is a crafted string (2**40 blocks of 0 bits).
+        raise MetadataDecodeError(
+            f"block list of {len(data)} bytes can't hold {count} blocks")
     total = count * row
     if len(data) != (total + 7) // 8:
         raise MetadataDecodeError(
@@ -329,7 +347,9 @@ def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     """Encode ``metadata`` as the string committed with the offset.
 
     Raises :class:`MetadataTooLarge` (naming ``offset.metadata.max.bytes``) when the
-    result is longer than ``max_bytes``, so the caller fails before inserting.
+    result is longer than :func:`longest_metadata` of ``max_bytes`` (the client's
+    trailing NUL counts against the broker's limit), so the caller fails before
+    inserting instead of the broker refusing the commit on every retry.
     """
     fields: list[int] = []
     previous = 0
@@ -353,10 +373,11 @@ def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     bits = msgpack.packb([*header, packed, widths, *tail], use_bin_type=True)
     prefix = PREFIX_PINNED if tail else PREFIX
     text = prefix + _b85encode(bits if len(bits) < len(varints) else varints)
-    if len(text) > max_bytes:
+    if len(text) > longest_metadata(max_bytes):
         raise MetadataTooLarge(
             f"metadata for {len(metadata.blocks)} tables encodes to {len(text)} bytes, over "
-            f"the limit of {max_bytes} (the broker's offset.metadata.max.bytes). Raise "
+            f"the limit of {longest_metadata(max_bytes)} (the broker's "
+            f"offset.metadata.max.bytes = {max_bytes}, less the client's trailing NUL). Raise "
             "offset.metadata.max.bytes on the brokers and the matching setting here, or "
             "lower the per-partition batch size (maxOffsetsPerTrigger) so offsets stay small."
         )

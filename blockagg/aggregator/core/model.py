@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from blockagg.aggregator.core.metadata import NO_PINS, Pins
+from blockagg.aggregator.core.metadata import NO_PINS, BlockRange, Pins
 from blockagg.aggregator.exceptions import ConfigError
 
 Int64Array = npt.NDArray[np.int64]
@@ -41,7 +41,10 @@ class Batch:
     ahead of the partition. ``pins`` are what the batch was prepared under besides
     its messages (registry position, topic incarnation, deduplication mode): a batch
     that replays an intent must carry that intent's pins (see
-    :func:`aggregator.core.protocol.batch_pins`).
+    :func:`aggregator.core.protocol.batch_pins`). ``abandoned`` are replay blocks the
+    operator gave up rebuilding (``ReplayBlockMissing``): the task routed their
+    surviving messages to the dead-letter table, and the core treats every other
+    message of their table up to their last offset as delivered.
     """
 
     topic: str
@@ -56,6 +59,7 @@ class Batch:
     tables: Mapping[int, str]
     partition_end: int | None = None
     pins: Pins = NO_PINS
+    abandoned: tuple[BlockRange, ...] = ()
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])

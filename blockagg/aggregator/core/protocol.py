@@ -24,18 +24,23 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from blockagg.aggregator.core.blocks import REPLAY_EVENT, Formation, form_blocks
 from blockagg.aggregator.core.exceptions import (
     BatchEndsInsideReplayBlock,
     MetadataAheadOfPartition,
     MetadataContractViolation,
+    MetadataDecodeError,
     OffsetGap,
     PinsMismatch,
+    ReplayBlockMissing,
     TopicIncarnationChanged,
 )
 from blockagg.aggregator.core.metadata import (
+    DEAD_LETTER_TABLE_ID,
     BlockRange,
     Metadata,
     Pins,
@@ -88,6 +93,19 @@ class Resumption:
     blocks: tuple[BlockRange, ...] = ()
     foreign: str | None = None
     metadata: Metadata | None = None
+
+
+def undecodable_commit(topic: str, partition: int, offset: int, error: MetadataDecodeError,
+                       group: str = "the metadata group") -> str:
+    """Why a partition whose last commit does not decode is refused, and what to do."""
+    return (
+        f"{topic}[{partition}]: the last commit of {group} (offset {offset}) carries "
+        f"blockagg metadata that does not decode ({error}). The partition is refused: "
+        "nothing of its batch is committed or inserted. "
+        f"Inspect its history with arv verify --group ... --topic {topic}; to go on, commit "
+        f"a position you know is delivered (kafka-consumer-groups.sh --reset-offsets "
+        f"--topic {topic}:{partition} --to-offset N --execute), which the job reads as "
+        "foreign metadata and resumes from without replay.")
 
 
 def read_committed(committed: Committed | None) -> Resumption:
@@ -342,6 +360,46 @@ def _operations(
     return operations
 
 
+def _without_abandoned(batch: Batch) -> tuple[Batch, int]:
+    """The batch without the messages an abandoned block's table holds up to the
+    block's last offset, and how many were left out.
+
+    An abandoned block's surviving messages were routed to the dead-letter table by
+    the task; the table's earlier messages from the resume offset on are delivered
+    (``docs/metadata.md``, invariant 7) and those below it never reach the core, so
+    none of them may be consumed again."""
+    if not batch.abandoned:
+        return batch, 0
+    keep = np.ones(len(batch), dtype=bool)
+    for block in batch.abandoned:
+        keep &= ~((batch.table_ids == block.table_id) & (batch.offsets <= block.last))
+    if keep.all():
+        return batch, 0
+    positions = np.flatnonzero(keep)
+    return replace(
+        batch,
+        offsets=batch.offsets[keep], table_ids=batch.table_ids[keep],
+        row_counts=batch.row_counts[keep], sizes=batch.sizes[keep],
+        payloads=[batch.payloads[int(i)] for i in positions],
+    ), int(len(batch) - positions.size)
+
+
+def _refuse_abandoned_inside_dead_letters(batch: Batch, listed: tuple[BlockRange, ...],
+                                          replay: dict[int, BlockRange]) -> None:
+    """The commit that lists an abandoned block was written before its messages were
+    routed to dead letters: if it also lists a dead-letter block overlapping it, the
+    routed messages would change that block, so it would not be rebuilt identically.
+    (Later commits list dead-letter blocks formed with the routing: identical.)"""
+    dead = replay.get(DEAD_LETTER_TABLE_ID)
+    for block in batch.abandoned:
+        if dead is not None and block in listed and dead.overlaps(block):
+            raise ReplayBlockMissing(
+                f"{_where(batch)}: the abandoned block {block} overlaps the dead-letter "
+                f"table's replay block [{dead.first}, {dead.last}], which would then not be "
+                "rebuilt identically; reset the group's offset with kafka-consumer-groups.sh "
+                "after checking both blocks in ClickHouse (docs/running.md).")
+
+
 def plan_batch(
     batch: Batch,
     committed: Committed | None,
@@ -355,7 +413,12 @@ def plan_batch(
     :class:`MetadataTooLarge` before any operation exists, so a refused batch leaves
     Kafka and ClickHouse untouched.
     """
-    resumption = read_committed(committed)
+    try:
+        resumption = read_committed(committed)
+    except MetadataDecodeError as exc:
+        assert committed is not None
+        raise MetadataDecodeError(undecodable_commit(
+            batch.topic, batch.partition, committed.offset, exc)) from None
     expected = _pins_for(f"{batch.topic}[{batch.partition}]", resumption, batch.pins)
     if expected != batch.pins:
         raise PinsMismatch(
@@ -364,7 +427,7 @@ def plan_batch(
             "the replay decides every message as its first attempt did"
         )
     resume = batch.start if resumption.resume is None else resumption.resume
-    _refusals(batch, resume, resumption.blocks)
+    _refusals(batch, resume, tuple(b for b in resumption.blocks if b not in batch.abandoned))
     if batch.end <= resume:
         return Plan(
             batch=batch,
@@ -374,8 +437,12 @@ def plan_batch(
             delivered_messages=len(batch),
             warning=resumption.foreign,
         )
-    replay = {block.table_id: block for block in resumption.blocks}
+    batch, abandoned = _without_abandoned(batch)
+    replay = {block.table_id: block for block in resumption.blocks
+              if block not in batch.abandoned}
+    _refuse_abandoned_inside_dead_letters(batch, resumption.blocks, replay)
     formation = form_blocks(batch, resume, replay, thresholds)
+    formation = replace(formation, delivered=formation.delivered + abandoned)
     operations = _operations(batch, resume, formation, thresholds, run, batch_id)
     return Plan(
         batch=batch,

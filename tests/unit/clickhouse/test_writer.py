@@ -11,7 +11,13 @@ from clickhouse_driver import errors as ch_errors
 from google.protobuf.descriptor import Descriptor
 
 from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
-from blockagg.aggregator.clickhouse.exceptions import DedupNotConfigured, InsertFailed
+from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
+from blockagg.aggregator.clickhouse.exceptions import (
+    DedupNotConfigured,
+    DedupWindowTooSmall,
+    InsertFailed,
+    TableNotFound,
+)
 from blockagg.aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
@@ -115,6 +121,25 @@ def test_gives_up_after_max_attempts(sample: Descriptor) -> None:
     assert info.value.attempts == 4
 
 
+def test_missing_table_after_failovers_past_every_replica_is_table_not_found() -> None:
+    """Two failed queries on a shard of two replicas move the preferred replica past
+    the last one: the next missing table is still TableNotFound, naming a replica."""
+    columns = ("SELECT name, type, default_kind, default_expression FROM system.columns "
+               "WHERE database = %(db)s AND table = %(t)s")
+    failures = [ch_errors.NetworkError("down"), ch_errors.NetworkError("down")]
+
+    def flaky(params: Any) -> list[Any]:
+        if failures:
+            raise failures.pop(0)
+        return []
+
+    writer = make_writer({columns: flaky}, [])
+    for _ in range(2):
+        with pytest.raises(TableNotFound, match=r"db\.missing .* on a$"):
+            writer.describe("db.missing")
+        failures.extend([ch_errors.NetworkError("down")] * 2)
+
+
 def test_dead_letter_block(sample: Descriptor) -> None:
     batch, _ = sample_batch(sample)
     block = Block("top", 0, 0, "blockagg.dead_letters", 12, 12, np.array([2]), 1, 1,
@@ -161,9 +186,14 @@ def test_check_refuses_plain_mergetree() -> None:
 def test_check_accepts_window_and_warns_about_coordinates() -> None:
     script = _check_script(
         "MergeTree", "CREATE TABLE db.t ... SETTINGS non_replicated_deduplication_window = 5")
-    warnings = make_writer(script, []).check_tables(["db.t"], writers=4)
+    need = DedupNeed(partitions=4, max_offsets_per_trigger=None, max_rows=100)
+    with pytest.raises(DedupWindowTooSmall, match=r"table db\.t: "
+                       r"non_replicated_deduplication_window = 5 is below the 8 blocks"):
+        make_writer(script, []).check_tables(["db.t"], need)
+    warnings = make_writer(script, []).check_tables(["db.t"], need, allow_small_window=True)
     assert any("_topic" in w for w in warnings)
-    assert any("window 5 is small" in w for w in warnings)
+    assert any("= 5 is below the 8 blocks" in w for w in warnings)
+    assert make_writer(script, []).check_tables(["db.t"], DedupNeed(2, None, 100))[1:] == []
 
 
 def test_check_refuses_profile_and_distributed() -> None:

@@ -166,3 +166,23 @@ def run_crashing(
     except Crash:
         return False
     return True
+
+
+def metadata_of_length(length: int) -> Metadata:
+    """Metadata whose encoding is exactly ``length`` characters long: blocks are added
+    until the text comes within nine bytes, then the run id's width (msgpack's 1, 2,
+    3, 5 or 9 bytes) and the batch id's fine-tune it. Base85 never ends a string
+    with a group of one character, so lengths ``4 + 5k + 1`` do not exist."""
+    from blockagg.aggregator.core.metadata import BlockRange, encode
+
+    start, end = 1_000_000, 1_100_000
+    widths = (0, 200, 60_000, 2**31, 2**63)
+    for count in range(1, 2000):
+        blocks = tuple(BlockRange(t, start + (t * 7_919) % 50_000,
+                                  end - 1 - (t * 104_729) % 50_000) for t in range(1, count + 1))
+        for run in widths:
+            for batch in widths[:4]:
+                metadata = Metadata(run, batch, start, end, start, blocks)
+                if len(encode(metadata, max_bytes=1 << 20)) == length:
+                    return metadata
+    raise ValueError(f"no metadata encodes to {length} characters")

@@ -13,7 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockagg.aggregator.core.exceptions import MetadataDecodeError, MetadataError, MetadataTooLarge
-from blockagg.aggregator.core.metadata import PREFIX, BlockRange, Metadata, decode, encode
+from blockagg.aggregator.core.metadata import (
+    DEFAULT_MAX_BYTES,
+    PREFIX,
+    BlockRange,
+    Metadata,
+    decode,
+    encode,
+    longest_metadata,
+)
+from tests.unit.core.fakes import metadata_of_length
 
 MAX_OFFSET = 2**63 - 1
 
@@ -221,3 +230,16 @@ def test_garbage_fixed_width_block_lists_are_decode_errors(data: bytes, widths: 
     body = msgpack.packb([1, 2, 0, 1_000, 10, data, widths], use_bin_type=True)
     with contextlib.suppress(MetadataDecodeError):
         decode(PREFIX + base64.b85encode(body).decode("ascii"))
+
+
+def test_the_limit_leaves_room_for_the_clients_trailing_nul() -> None:
+    """librdkafka sends the string NUL-terminated and the broker counts the NUL, so
+    the longest string a broker with offset.metadata.max.bytes = N accepts is N - 1."""
+    metadata = metadata_of_length(3004)
+    assert len(encode(metadata, max_bytes=3005)) == 3004
+    with pytest.raises(MetadataTooLarge, match=r"offset\.metadata\.max\.bytes = 3004"):
+        encode(metadata, max_bytes=3004)
+    assert longest_metadata(DEFAULT_MAX_BYTES) == 4095
+    with pytest.raises(MetadataTooLarge):
+        encode(metadata_of_length(4096))
+    assert len(encode(metadata_of_length(4094))) == 4094

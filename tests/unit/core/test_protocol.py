@@ -278,3 +278,76 @@ def test_crash_at_every_operation_then_retry_with_other_boundaries_is_exactly_on
             if store.metadata_history()[-1].resume < 30:
                 run(store, sink, 27, 30, batch_id=2)
             assert_exactly_once(store, sink, 30)
+
+
+def test_abandoned_replay_block_loses_nothing_else_across_crashes() -> None:
+    """A block of table 2 lost its first message (compaction): ReplayBlockMissing names
+    the setting. With the block abandoned (its surviving messages relabelled as dead
+    letters, as the task does), the retry, crashed at every operation and run again,
+    rebuilds table 1's block, consumes table 3 from the resume offset (what a reset to
+    last + 1 would have lost) and stores every surviving message exactly once."""
+    import dataclasses
+
+    missing = BlockRange(2, 10, 19)
+    metadata = Metadata(1, 0, 0, 30, 10, (missing, BlockRange(1, 12, 18)))
+    compacted = [m for m in STREAM if m[0] != 10]
+    store = MemoryMetadataStore()
+    commit_metadata(store, metadata)
+    with pytest.raises(ReplayBlockMissing, match=r"dead_letter_missing_blocks=\[\"events:0:2:"
+                       r"10-19\"\]"):
+        plan(store, 10, 30, stream=compacted)
+    routed = [(o, 0 if t == 2 and 10 <= o <= 19 else t, 1 if t == 2 and o <= 19 else r)
+              for o, t, r in compacted]
+    batch = dataclasses.replace(make_batch(routed, 10, 30, partition_end=30),
+                                abandoned=(missing,))
+    sink = DedupSink()
+    for at in range(20):
+        if run_crashing(plan_batch(batch, store.committed("events", 0), THRESHOLDS,
+                                   run=2 + at, batch_id=1), store, sink, at=at, after=True):
+            break
+    assert at > 3
+    committed = store.committed("events", 0)
+    assert committed is not None and committed.offset == 30
+    assert not sink.duplicates()
+    stored = set(sink.rows)
+    assert stored == set(expected_rows([m for m in routed if m[0] >= 10
+                                        and not (m[1] == 2 and m[0] < 10)]))
+    assert {("db.t0", o, 0) for o in (13, 16, 19)} <= stored  # the block's survivors
+    assert {("db.t3", 11, 0), ("db.t3", 14, 0), ("db.t3", 17, 0)} <= stored
+    assert not any(t == "db.t2" and o <= 19 for t, o, _ in stored)
+
+
+def test_a_crafted_commit_refuses_its_partition_naming_it_and_the_way_out() -> None:
+    """The issue's 31-byte string (2**40 blocks of zero-bit fields) as the last commit:
+    the batch is refused with MetadataDecodeError naming the partition and the reset."""
+    import base64
+
+    import msgpack
+
+    crafted = "ba1:" + base64.b85encode(msgpack.packb(
+        [1, 0, 0, 10, 10, b"", [2**40, 0, 0, 0]], use_bin_type=True)).decode()
+    store, sink = MemoryMetadataStore(), DedupSink()
+    store.commit("events", 0, 10, crafted)
+    with pytest.raises(MetadataDecodeError, match=r"events\[0\]: the last commit .* \(offset "
+                       r"10\) .*can't hold 1099511627776 blocks.*--topic events:0 --to-offset"):
+        process_batch(make_batch(STREAM, 10, 30), store, sink, THRESHOLDS, run=2, batch_id=1)
+    assert len(store.history) == 1 and sink.inserted == []
+
+
+def test_an_abandoned_block_may_span_several_batches() -> None:
+    """The abandoned block [10, 19] with batches [10, 15) and [15, 30): no
+    BatchEndsInsideReplayBlock for it, and every surviving message lands once."""
+    import dataclasses
+
+    missing = BlockRange(2, 10, 19)
+    store, sink = MemoryMetadataStore(), DedupSink()
+    commit_metadata(store, Metadata(1, 0, 0, 30, 10, (missing,)))
+    compacted = [m for m in STREAM if m[0] != 10]
+    routed = [(o, 0 if t == 2 and 10 <= o <= 19 else t, 1 if t == 2 and o <= 19 else r)
+              for o, t, r in compacted]
+    for start, end in ((10, 15), (15, 30)):
+        batch = dataclasses.replace(make_batch(routed, start, end, partition_end=30),
+                                    abandoned=(missing,))
+        process_batch(batch, store, sink, THRESHOLDS, run=2, batch_id=start)
+    assert not sink.duplicates()
+    assert set(sink.rows) == set(expected_rows([m for m in routed if m[0] >= 10]))

@@ -171,3 +171,65 @@ def test_live_columns_refuses_a_table_that_would_not_drop_a_retried_block(
         task.live_columns(config, topic, "db.plain")
     with pytest.raises(TableNotFound):  # refuses the batch: no dead letter from live state
         task.live_columns(config, topic, "db.missing")
+
+
+def test_commit_beyond_the_partitions_end_refuses_the_batch() -> None:
+    """A final commit at 1000 on a partition whose log ends at 8 (offsets reset, topic
+    recreated): without the partition's end the batch [0, 8) would be skipped as
+    delivered and its messages lost; with it the task refuses, committing nothing."""
+    from blockagg.aggregator.core.exceptions import MetadataAheadOfPartition
+    from blockagg.aggregator.core.metadata import Metadata, encode
+
+    comps = Components()
+    comps._store.commit("t", 0, 1000, encode(Metadata(1, 3, 900, 1000, 1000)))
+    ranges = {("t", 0): PlannedRange("t", 0, 0, 8)}
+    values = [make_envelope("db.a", [b"r"])] * 8
+    context = TaskContext(loads(CONFIG), comps, ranges, batch_id=7, run_id=42,
+                          partition_ends={("t", 0): 8})
+    with pytest.raises(MetadataAheadOfPartition, match=r"resume offset 1000 is beyond the "
+                       r"partition's end 8"):
+        list(run_partition(context, rows(range(8), values)))
+    assert len(comps._store.history) == 1 and comps._sink.blocks == []
+    [report] = list(run_partition(ctx(comps, ranges), rows(range(8), values)))
+    assert report["skipped"]  # what happened before: the batch silently dropped
+
+
+def test_dead_letter_missing_blocks_routes_the_blocks_survivors() -> None:
+    """job.dead_letter_missing_blocks: the surviving messages of the abandoned block of
+    db.b go to the dead-letter table with the reason; db.a, not listed, is consumed
+    from the resume offset; nothing of db.b up to the block's last offset reaches db.b."""
+    from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+
+    comps = Components()
+    # db.a at even offsets, db.b at odd ones; db.b's block [1, 9] lost offset 1.
+    comps._store.commit("t", 0, 1, encode(Metadata(1, 3, 0, 12, 1, (BlockRange(2, 1, 9),))))
+    offsets = [o for o in range(1, 12) if o != 1]
+    values = [make_envelope("db.a" if o % 2 == 0 else "db.b", [b"r"]) for o in offsets]
+    ranges = {("t", 0): PlannedRange("t", 0, 1, 12)}
+    setting = 'dead_letter_missing_blocks = ["t:0:2:1-9"]\n'
+    config = loads(CONFIG.replace("[kafka]", setting + "[kafka]"))
+    context = TaskContext(config, comps, ranges, batch_id=7, run_id=42)
+    [report] = list(run_partition(context, rows(offsets, values)))
+    by_table: dict[str, list[int]] = {}
+    for table, offs in comps._sink.blocks:
+        by_table.setdefault(table, []).extend(offs)
+    assert sorted(by_table["blockagg.dead_letters"]) == [3, 5, 7, 9]
+    assert sorted(by_table["db.a"]) == [2, 4, 6, 8, 10]
+    assert sorted(by_table["db.b"]) == [11]
+    assert report["dead_letters"] and comps._store.commits[("t", 0)].offset == 12
+
+
+def test_refusal_in_finds_the_blockagg_error_in_sparks_wrapping() -> None:
+    from blockagg.spark.exceptions import refusal_in
+
+    wrapped = (
+        "An error occurred while calling o123.collectToPython.\n"
+        ": org.apache.spark.SparkException: Job aborted due to stage failure: ...\n"
+        "Traceback (most recent call last):\n"
+        '  File "/x/task.py", line 290, in run_range\n'
+        "blockagg.aggregator.core.exceptions.MetadataDecodeError: events[3]: the last "
+        "commit does not decode\n"
+        "\tat org.apache.spark.api.python.BasePythonRunner...\n")
+    assert refusal_in(wrapped) == ("MetadataDecodeError: events[3]: the last commit does "
+                                   "not decode")
+    assert refusal_in(RuntimeError("py4j: connection reset")) is None

@@ -1,0 +1,106 @@
+"""Keeping quiet partitions' commits alive.
+
+The metadata group commits without members, so the broker expires each partition's
+committed offset ``offsets.retention.minutes`` (7 days by default) after its last
+commit. A partition that receives no message for that long would lose its commit, and
+a restart without a Spark checkpoint would then start it at ``starting_offsets``
+(earliest: duplicates; latest: loss). So the driver re-commits every partition whose
+last commit is older than ``job.idle_commit_interval`` with its offset and metadata
+unchanged: identical commits, which the verifier accepts (a client retry looks the
+same) and which move nothing.
+
+Race-free by construction: the driver re-commits only partitions no task of the
+current batch touches (between batches, with the batch lock held, or at the start of a
+batch for partitions outside its planned ranges), so a re-commit never lands after a
+newer commit of the same partition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Final
+
+from blockagg.aggregator.core.model import MetadataStore
+from blockagg.aggregator.exceptions import ConfigError
+from blockagg.spark.components import open_attempt
+from blockagg.spark.offsets import TopicPartition
+
+RETENTION_KEY: Final = "offsets.retention.minutes"
+REFRESHES_PER_RETENTION: Final = 4
+"""At least this many re-commits fit in the brokers' retention: one missed (a stopped
+job, a slow batch) still leaves three."""
+
+
+def check_idle_interval(interval_s: float, retention_minutes: int) -> None:
+    """Refuse an ``idle_commit_interval`` that does not fit
+    :data:`REFRESHES_PER_RETENTION` times in the brokers' ``offsets.retention.minutes``."""
+    limit = retention_minutes * 60 / REFRESHES_PER_RETENTION
+    if interval_s > limit:
+        raise ConfigError(
+            f"job.idle_commit_interval = {interval_s:g}s is too long for the brokers' "
+            f"{RETENTION_KEY} = {retention_minutes} ({retention_minutes / 60:g} h): a quiet "
+            "partition's commit would expire before it is renewed. Set it to at most "
+            f"{limit:g}s (a quarter of the retention)")
+
+
+def broker_retention_minutes(admin: Any, timeout: float = 10.0) -> int | None:
+    """``offsets.retention.minutes`` of one broker (they must agree), or ``None`` when
+    the cluster does not say (no DescribeConfigs permission)."""
+    from confluent_kafka.admin import ConfigResource  # type: ignore[attr-defined]
+
+    try:
+        brokers = admin.list_topics(timeout=timeout).brokers
+        resource = ConfigResource(ConfigResource.Type.BROKER, str(min(brokers)))
+        configs = admin.describe_configs([resource])[resource].result(timeout=timeout)
+        return int(configs[RETENTION_KEY].value)
+    except Exception:
+        return None
+
+
+class IdleRefresher:
+    """Which partitions are due a re-commit, and the re-commit itself.
+
+    ``last`` is when each partition was last committed as far as the driver knows: by a
+    task (``saw_commit``) or by a re-commit; a partition the driver has not seen
+    committed in this run is due at once, since its commit may already be old."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: dict[TopicPartition, float] = {}
+        self.recommitted = 0
+
+    def saw_commit(self, tp: TopicPartition) -> None:
+        self._last[tp] = self._clock()
+
+    def due(self, partitions: Iterable[TopicPartition],
+            busy: Mapping[TopicPartition, object] | None = None) -> list[TopicPartition]:
+        """The partitions whose last known commit is older than the interval, except
+        those in ``busy`` (the current batch's tasks commit them)."""
+        now = self._clock()
+        return sorted(tp for tp in partitions
+                      if (busy is None or tp not in busy)
+                      and now - self._last.get(tp, float("-inf")) >= self.interval_s)
+
+    def refresh(self, store: MetadataStore, partitions: Iterable[TopicPartition]) -> int:
+        """Re-commit each partition's committed offset and metadata unchanged; returns
+        how many were re-committed (a partition without a commit has nothing to keep).
+
+        Each re-commit is a fenced attempt of its own, like a task's: it fences any older
+        attempt at the partition before reading the commit it repeats, so a stalled task
+        can't commit after it and the repeated commit can't land behind a newer one."""
+        count = 0
+        for tp in partitions:
+            attempt = open_attempt(store, tp[0], tp[1])
+            try:
+                fenced: MetadataStore = attempt or store
+                committed = fenced.committed(*tp)
+                if committed is not None:
+                    fenced.commit(tp[0], tp[1], committed.offset, committed.metadata)
+                    count += 1
+            finally:
+                if attempt is not None:
+                    attempt.close()
+            self._last[tp] = self._clock()
+        self.recommitted += count
+        return count
