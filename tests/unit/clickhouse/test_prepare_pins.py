@@ -214,3 +214,18 @@ def test_a_replay_moves_to_a_replica_on_its_pinned_side_of_the_token_boundary() 
     with pytest.raises(DedupModeMismatch, match="other side"):
         writer.insert(block, batch)
     assert len(log) == 3 and log[-1][0] == "a"       # the failed attempt on a only
+
+
+def test_a_stale_copy_of_the_live_columns_is_read_again_before_refusing(fds: bytes) -> None:
+    """ALTER ADD COLUMN, then v2 registered against it, reach a worker whose copy of the
+    live columns is older than both: the check reads the table again instead of
+    refusing v2's batch, without waiting for ``refresh_interval``."""
+    store = MemoryStore()
+    register(store, "db.t", "vt.V1", fds, now_ms=T0, columns=V1_COLUMNS)
+    register(store, "db.t", "vt.V2", fds, now_ms=T0 + 1, columns=V2_COLUMNS)
+    live = Live({"db.t": V1_COLUMNS})
+    plans = Plans(Registry.load(store), live, columns_ttl_s=3600, clock=lambda: 0.0)
+    assert plans.plan("db.t", 1)[1] == []                 # caches the pre-ALTER columns
+    live.columns["db.t"] = V2_COLUMNS                     # ALTER ADD COLUMN on every replica
+    plan, problems = plans.plan("db.t", 2)
+    assert plan.columns == tuple(c.name for c in V2_COLUMNS) and problems == []
