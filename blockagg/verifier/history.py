@@ -34,6 +34,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from blockagg.aggregator import logs
 from blockagg.verifier.exceptions import HistoryReadError, OffsetsDecodeError
 from blockagg.verifier.offsets_codec import OffsetCommitKey, decode_key, decode_value
 from blockagg.verifier.rules import Commit
@@ -168,7 +169,7 @@ class HistoryReader:
             "group.id": f"blockagg-arv-{uuid.uuid4().hex}",
         }
         try:
-            self._consumer = Consumer(config)
+            self._consumer = Consumer(logs.kafka_client_config(config))
         except (KafkaException, ValueError) as exc:
             raise HistoryReadError(f"cannot create the Kafka consumer: {_reason(exc)}") from exc
         self.partitions: tuple[int, ...] = ()

@@ -58,3 +58,15 @@ class DeadLetterRateExceeded(ClickHouseError):
             "with their reason. Fix the producers or the schema registry (ba-schema list, "
             "ba-schema check TABLE), then restart the job; or raise dead_letters.max_rate "
             "if this share is expected")
+
+
+class ClickHouseUnreachable(ClickHouseError):
+    """A replica did not accept a connection (down, wrong host or port, firewall)."""
+
+
+class ClickHouseAuthFailed(ClickHouseError):
+    """A replica refused the configured user (unknown user or wrong password)."""
+
+
+class DeadLetterTableInvalid(ClickHouseError):
+    """The dead-letter table is missing on a replica or lacks an expected column."""

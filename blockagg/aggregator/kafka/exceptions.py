@@ -20,3 +20,11 @@ class CommittedReadError(KafkaAdapterError):
 
 class OffsetMetadataTooLarge(MetadataCommitError, MetadataTooLarge):
     """The broker rejected the metadata as longer than its ``offset.metadata.max.bytes``."""
+
+
+class KafkaUnreachable(KafkaAdapterError):
+    """No broker of ``bootstrap.servers`` answered a metadata request in time."""
+
+
+class TopicMissing(KafkaAdapterError):
+    """A configured topic (or every topic of a pattern) does not exist on the cluster."""
