@@ -122,7 +122,12 @@ def run(config: Config, until_caught_up: bool) -> int:
         driver = Driver(config, spark, components)
         driver.install_signal_handlers()
         driver.metrics.serve(config.metrics.port, config.metrics.host)
-        driver.start()
+        try:
+            driver.start()
+        except BaseException:
+            if driver.lock is not None:  # leave the lock group now, not at session timeout
+                driver.lock.release()
+            raise
         return driver.wait(until_caught_up=until_caught_up)
     except ConfigError as exc:
         logs.event(log, f"configuration refused: {exc}", level=40, exit=2)

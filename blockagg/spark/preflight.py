@@ -28,7 +28,7 @@ def run(config: Config) -> None:
     started = time.monotonic()
     names = [t.name for t in config.topics if t.name is not None]
     patterns = [t.pattern for t in config.topics if t.pattern is not None]
-    check_topics(config.kafka.librdkafka_config(), names, patterns, what="the job")
+    check_topics(config.kafka.librdkafka_config(), names, patterns)
     timeout = min(CLICKHOUSE_TIMEOUT, config.clickhouse.connect_timeout)
     seen: set[tuple[str, int]] = set()
     for topic in config.topics:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 from blockagg.aggregator.clickhouse.exceptions import (
@@ -52,14 +53,24 @@ def dead_letter_problems(columns: Mapping[str, str]) -> list[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class Fixes:
+    """Where the user changes the address and the credentials (the job's TOML, or a
+    command's flags)."""
+
+    address: str = "the replica's host:port in [[topics]] replicas"
+    auth: str = "[clickhouse] user / password (or password_env)"
+
+
 class ReplicaCheck:
     """The checks of one replica through a ``clickhouse_driver.Client``-like object
     made by ``connect()`` (real client in production)."""
 
-    def __init__(self, host: str, port: int, user: str,
-                 connect: Callable[[], Any]) -> None:
+    def __init__(self, host: str, port: int, user: str, connect: Callable[[], Any],
+                 fixes: Fixes | None = None) -> None:
         self.where = f"{host}:{port}"
         self.user = user
+        self.fixes = fixes or Fixes()
         self._connect = connect
         self._client: Any = None
 
@@ -75,15 +86,14 @@ class ReplicaCheck:
             if exc.code in AUTH_CODES:
                 raise ClickHouseAuthFailed(
                     f"ClickHouse at {self.where} refused user {self.user!r} (code {exc.code}: "
-                    f"{server_message(exc)}). Fix [clickhouse] user / password (or "
-                    "password_env)") from None
+                    f"{server_message(exc)}). Fix {self.fixes.auth}") from None
             raise ClickHouseError(
                 f"ClickHouse at {self.where}: {sql.split()[0]} failed (code {exc.code}: "
                 f"{server_message(exc)})") from None
         except (NetworkError, SocketTimeoutError, OSError, EOFError) as exc:
             raise ClickHouseUnreachable(
                 f"ClickHouse unreachable at {self.where} ({server_message(exc)}): start "
-                "the server or fix the replica's host:port in [[topics]] replicas") from None
+                f"the server or fix {self.fixes.address}") from None
         except DriverError as exc:
             raise ClickHouseError(f"ClickHouse at {self.where}: {server_message(exc)}") from None
 
@@ -115,7 +125,7 @@ class ReplicaCheck:
 
 
 def driver_check(host: str, port: int, user: str, password: str,
-                 timeout: float) -> ReplicaCheck:
+                 timeout: float, fixes: Fixes | None = None) -> ReplicaCheck:
     """A :class:`ReplicaCheck` over a real clickhouse-driver connection."""
     from clickhouse_driver import Client
 
@@ -124,7 +134,7 @@ def driver_check(host: str, port: int, user: str, password: str,
                       connect_timeout=timeout, send_receive_timeout=timeout,
                       sync_request_timeout=timeout)
 
-    return ReplicaCheck(host, port, user, connect)
+    return ReplicaCheck(host, port, user, connect, fixes)
 
 
 def check_replicas(replicas: Iterable[ReplicaCheck], dead_letter_table: str | None) -> None:

@@ -17,10 +17,11 @@ from blockagg.aggregator import logs
 from blockagg.aggregator.kafka.exceptions import KafkaUnreachable, TopicMissing
 
 DEFAULT_TIMEOUT = 8.0
+FIX = '[kafka] "bootstrap.servers" (or --bootstrap-servers)'
 
 
 def list_topics(config: Mapping[str, Any], timeout: float = DEFAULT_TIMEOUT,
-                what: str = "blockagg") -> dict[str, int]:
+                fix: str = FIX) -> dict[str, int]:
     """Every topic of the cluster and its partition count.
 
     Raises :class:`KafkaUnreachable` (naming ``bootstrap.servers``) when no broker
@@ -36,8 +37,7 @@ def list_topics(config: Mapping[str, Any], timeout: float = DEFAULT_TIMEOUT,
         reason = exc.args[0].str() if exc.args and hasattr(exc.args[0], "str") else str(exc)
         raise KafkaUnreachable(
             f"Kafka unreachable: no broker of bootstrap.servers {servers!r} answered within "
-            f"{timeout:.0f}s ({reason}). Start the brokers or fix [kafka] "
-            f'"bootstrap.servers" (or --bootstrap-servers) for {what}'
+            f"{timeout:.0f}s ({reason}). Start the brokers or fix {fix}"
         ) from None
     return {name: len(t.partitions) for name, t in metadata.topics.items() if t.error is None}
 
@@ -52,12 +52,12 @@ def missing_topic_message(servers: str, name: str) -> str:
 
 def check_topics(config: Mapping[str, Any], names: Sequence[str],
                  patterns: Sequence[str] = (), timeout: float = DEFAULT_TIMEOUT,
-                 what: str = "blockagg") -> dict[str, int]:
+                 fix: str = FIX) -> dict[str, int]:
     """Refuse unless every topic in ``names`` exists and every pattern matches one.
 
     Returns the topics found (name -> partitions), for the caller's own checks."""
     servers = str(config.get("bootstrap.servers", ""))
-    topics = list_topics(config, timeout, what)
+    topics = list_topics(config, timeout, fix)
     for name in names:
         if name not in topics:
             raise TopicMissing(missing_topic_message(servers, name) + " in [[topics]]")
