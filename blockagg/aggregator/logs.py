@@ -145,11 +145,30 @@ class RateLimit(logging.Filter):
         return True
 
 
+class RetriedAsInfo(logging.Filter):
+    """librdkafka logs each failed connection attempt (facility ``FAIL``) as an error,
+    although the client retries it and the caller gets the error that matters (a
+    timeout naming the bootstrap servers): those lines count as INFO here."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self._logger = logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if args and args[0] == "FAIL" and record.levelno > logging.INFO:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return self._logger.getEffectiveLevel() <= logging.INFO
+        return True
+
+
 def librdkafka_logger() -> logging.Logger:
     """The logger librdkafka's own lines go to (``blockagg.librdkafka``): WARNING and
-    above unless the root level is DEBUG, each kind of line at most once per 30 s."""
+    above unless the root level is DEBUG, each kind of line at most once per 30 s;
+    connection failures the client retries count as INFO (:class:`RetriedAsInfo`)."""
     logger = logging.getLogger("blockagg.librdkafka")
     if not any(isinstance(f, RateLimit) for f in logger.filters):
+        logger.addFilter(RetriedAsInfo(logger))
         logger.addFilter(RateLimit())
     debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
     logger.setLevel(logging.DEBUG if debug else logging.WARNING)
