@@ -369,6 +369,8 @@ class Driver:
             self.metrics.batches.labels("failed").inc()
             for code in re.findall(r"Code: (\d+)", str(exc))[:1]:
                 self.metrics.clickhouse_errors.labels(code).inc()
+            for reason in refusal_reasons(str(exc))[:1]:
+                self.metrics.partitions_refused.labels(reason).inc()
             logs.event(log, "batch failed", level=40, batch=batch_id,
                        error=f"{type(exc).__name__}: {str(exc)[:2000]}")
             raise
@@ -547,6 +549,24 @@ class Driver:
             return 1
         logs.event(log, "stopped", batches=len(self.batches), run=f"{self.run_id:016x}")
         return 0
+
+
+REFUSALS: dict[str, str] = {
+    # BatchRefused subclasses (aggregator.core.exceptions) -> the metric's reason label
+    "OffsetGap": "gap",
+    "MetadataAheadOfPartition": "metadata_ahead",
+    "BatchEndsInsideReplayBlock": "ends_inside_replay_block",
+    "ReplayBlockMissing": "replay_block_missing",
+    "MetadataContractViolation": "metadata_contract",
+    "TopicIncarnationChanged": "topic_incarnation_changed",
+    "PinsMismatch": "pins_mismatch",
+}
+
+
+def refusal_reasons(text: str) -> list[str]:
+    """The ``blockagg_batches_refused_total`` reasons named in a failed batch's error
+    (it reaches the driver as text through Spark)."""
+    return [label for name, label in REFUSALS.items() if re.search(rf"\b{name}\b", text)]
 
 
 def short_error(exc: BaseException, limit: int = 4000) -> str:
