@@ -92,7 +92,8 @@ class KafkaAuditReader:
             return self._data.list_topics(topic, timeout=self.timeout)
         except KafkaException as exc:
             raise AuditError(
-                f"cannot reach the Kafka cluster: {_reason(exc)}; check --bootstrap-servers "
+                f"cannot reach the Kafka cluster {self.bootstrap_servers!r}: {_reason(exc)}; "
+                "check --bootstrap-servers "
                 "and the security settings (-X security.protocol=...)") from exc
 
     def group_topics(self) -> list[str]:

@@ -162,6 +162,7 @@ class HistoryReader:
         self.groups = frozenset(groups)
         self.topics = frozenset(topics)
         self.timeout = timeout
+        self.bootstrap_servers = bootstrap_servers
         config: dict[str, Any] = {
             **(settings or {}),
             **RESERVED_SETTINGS,
@@ -189,7 +190,8 @@ class HistoryReader:
             meta = self._consumer.list_topics(OFFSETS_TOPIC, timeout=self.timeout)
         except KafkaException as exc:
             raise HistoryReadError(
-                f"cannot reach the cluster to read {OFFSETS_TOPIC}: {_reason(exc)}; check "
+                f"cannot reach the Kafka cluster {self.bootstrap_servers!r} to read "
+                f"{OFFSETS_TOPIC}: {_reason(exc)}; check "
                 "--bootstrap-servers and the security settings (-X security.protocol=...)"
             ) from exc
         topic = meta.topics.get(OFFSETS_TOPIC)

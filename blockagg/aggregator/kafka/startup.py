@@ -16,7 +16,7 @@ from typing import Any
 from blockagg.aggregator import logs
 from blockagg.aggregator.kafka.exceptions import KafkaUnreachable, TopicMissing
 
-DEFAULT_TIMEOUT = 8.0
+DEFAULT_TIMEOUT = 6.0
 FIX = '[kafka] "bootstrap.servers" (or --bootstrap-servers)'
 
 
