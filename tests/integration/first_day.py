@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -40,6 +41,29 @@ message Plain {
   uint64 id = 1;
 }
 """
+
+def fenced_blocks(markdown: Path, language: str) -> list[str]:
+    """The fenced code blocks of ``markdown`` in ``language``, in order (indented
+    blocks inside list items included, their indentation removed)."""
+    blocks = []
+    pattern = rf"^([ \t]*)```{language}\n(.*?)^\1```"
+    for match in re.finditer(pattern, markdown.read_text(), re.M | re.S):
+        indent = len(match.group(1))
+        blocks.append("".join(line[indent:] + "\n"
+                              for line in match.group(2).splitlines()))
+    return blocks
+
+
+def shell_commands(block: str) -> list[str]:
+    """A sh block's commands (continuation lines joined, comments dropped)."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [line.split(" #")[0].strip() for line in joined.splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def words(command: str) -> list[str]:
+    return shlex.split(command)
+
 
 TRACE_MARKERS = ("Traceback (most recent call last)", "\tat ", "Stack trace:",
                  "NullPointerException", "FOREACH_BATCH_USER_FUNCTION_ERROR",
@@ -129,7 +153,8 @@ class Job:
     def config(self, name: str = "blockagg.toml", *, bootstrap: str | None = None,
                topic: str | None = None, replicas: list[str] | None = None,
                clickhouse: str = "", dead_letters: str | None = None,
-               job: str = "", checkpoint: str = "checkpoint") -> Path:
+               job: str = "", checkpoint: str = "checkpoint",
+               lock_timeout: str = "40s") -> Path:
         shown = ", ".join(f'"{r}"' for r in (replicas or self.replicas))
         path = self.tmp / name
         path.write_text(f"""
@@ -138,7 +163,7 @@ name = "first-day"
 metadata_group_id = "{self.group}"
 checkpoint_location = "{self.tmp / checkpoint}"
 trigger_interval = "500ms"
-lock_timeout = "40s"
+lock_timeout = "{lock_timeout}"
 stop_timeout = "60s"
 {job}
 
