@@ -132,6 +132,9 @@ def run(config: Config, until_caught_up: bool) -> int:
     except ConfigError as exc:
         logs.event(log, f"configuration refused: {exc}", level=40, exit=2)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C during the start-up checks: nothing written yet
+        logs.event(log, "stopped", signal="SIGINT", before="the query started")
+        return 0
     except BlockaggError as exc:
         log.debug("refused", exc_info=exc)
         logs.event(log, f"start refused: {exc}", level=40, exit=1)
