@@ -176,6 +176,7 @@ class Driver:
         self.batches: list[BatchSummary] = []
         self.caught_up = False
         self.failure: BaseException | None = None
+        self.batch_error: str | None = None
         dl = config.dead_letters
         self.dead_letter_rate = RateWindow(RateThreshold(
             max_rate=dl.max_rate, min_messages=dl.min_messages, window=dl.window,
@@ -371,8 +372,8 @@ class Driver:
                 self.metrics.clickhouse_errors.labels(code).inc()
             for reason in refusal_reasons(str(exc))[:1]:
                 self.metrics.partitions_refused.labels(reason).inc()
-            logs.event(log, "batch failed", level=40, batch=batch_id,
-                       error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+            self.batch_error = root_cause(exc)
+            logs.event(log, "batch failed", level=40, batch=batch_id, error=self.batch_error)
             raise
         finally:
             with self._state:
@@ -545,7 +546,8 @@ class Driver:
         if error is not None and self.failure is None:
             self.failure = error
         if self.failure is not None:
-            logs.event(log, "query failed", level=40, error=short_error(self.failure))
+            logs.event(log, "query failed", level=40,
+                       error=self.batch_error or root_cause(self.failure))
             return 1
         logs.event(log, "stopped", batches=len(self.batches), run=f"{self.run_id:016x}")
         return 0
@@ -567,6 +569,24 @@ def refusal_reasons(text: str) -> list[str]:
     """The ``blockagg_batches_refused_total`` reasons named in a failed batch's error
     (it reaches the driver as text through Spark)."""
     return [label for name, label in REFUSALS.items() if re.search(rf"\b{name}\b", text)]
+
+
+_PYTHON_ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*): (.+)$", re.M)
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line for a failed batch or query: the innermost Python error raised in a
+    task or in ``foreachBatch`` (Spark wraps it in Java and Python traces), else
+    :func:`short_error`; the server's stack trace cut off."""
+    log.debug("error details", exc_info=exc)
+    text = str(getattr(exc, "desc", None) or exc)
+    frames = [m for m in _PYTHON_ERROR.finditer(text)
+              if not m.group(1).endswith(("Exception", "Warning")) or "blockagg" in m.group(0)]
+    if "Traceback (most recent call last)" in text and frames:
+        last = frames[-1]
+        message = re.split(r"\.?\s*Stack trace:", last.group(2))[0]
+        return f"{last.group(1)}: {' '.join(message.split())}"[:2000]
+    return f"{type(exc).__name__}: {short_error(exc)}"
 
 
 def short_error(exc: BaseException, limit: int = 4000) -> str:
@@ -611,5 +631,28 @@ def make_spark(config: Config, extra_conf: Mapping[str, str] | None = None,
         b = b.config(key, value)
     spark = b.getOrCreate()
     check_speculation(spark)
+    if spark_level == "WARN":
+        quiet_failure_traces(spark)
     return spark
+
+
+FAILURE_TRACE_LOGGERS = (
+    # Spark's loggers that print a failed task's or query's Java and Python traces;
+    # the driver logs the failure as one line ("batch failed", "query failed")
+    "org.apache.spark.executor.Executor",
+    "org.apache.spark.scheduler.TaskSetManager",
+    "org.apache.spark.sql.execution.streaming.MicroBatchExecution",
+    "org.apache.spark.sql.execution.streaming.StreamExecution",
+)
+
+
+def quiet_failure_traces(spark: Any) -> None:
+    """Spark's failure traces only at DEBUG (``--log-level DEBUG`` leaves them on)."""
+    try:
+        jvm = spark.sparkContext._jvm
+        for name in FAILURE_TRACE_LOGGERS:
+            jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+                name, jvm.org.apache.logging.log4j.Level.OFF)
+    except Exception as exc:  # a JVM without log4j 2: the traces stay
+        log.debug("quieting Spark's failure traces failed: %s", exc)
 

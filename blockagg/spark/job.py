@@ -140,10 +140,9 @@ def run(config: Config, until_caught_up: bool) -> int:
         logs.event(log, f"start refused: {exc}", level=40, exit=1)
         return 1
     except Exception as exc:
-        from blockagg.spark.driver import short_error
+        from blockagg.spark.driver import root_cause
 
-        logs.event(log, f"failed: {type(exc).__name__}: {short_error(exc)}", level=40,
-                   exit=1)
+        logs.event(log, f"failed: {root_cause(exc)}", level=40, exit=1)
         return 1
 
 

@@ -21,7 +21,13 @@ from blockagg.aggregator.clickhouse.startup import (
 )
 from blockagg.aggregator.config import loads
 from blockagg.aggregator.exceptions import BlockaggError
-from blockagg.spark.driver import BatchSummary, Driver, refusal_reasons, short_error
+from blockagg.spark.driver import (
+    BatchSummary,
+    Driver,
+    refusal_reasons,
+    root_cause,
+    short_error,
+)
 from blockagg.spark.job import plain
 
 CONFIG = """
@@ -62,6 +68,30 @@ def test_short_error_keeps_the_first_line_of_a_java_trace() -> None:
                        ": org.apache.spark.SparkException: boom\n\tat org.apache.X(X.java:1)\n")
     assert short_error(exc) == ("An error occurred while calling o42.awaitTermination. : "
                                 "org.apache.spark.SparkException: boom")
+
+
+ERROR_LINE = ("blockagg.aggregator.clickhouse.exceptions.InsertFailed: insert into db.dl failed "
+              "after 1 attempt(s) (code 60): DB::Exception: Table db.dl doesn't exist.. Stack "
+              "trace:")
+SPARK_WRAPPED = f"""An error occurred while calling o97.collectToPython.
+: org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 1.0 failed
+org.apache.spark.api.python.PythonException: Traceback (most recent call last):
+  File "/x/blockagg/spark/task.py", line 407, in run_arrow_partition
+    report = run_range(ctx, records.tp, records.offsets, records.values,
+  File "/x/blockagg/aggregator/clickhouse/writer.py", line 555, in _with_retries
+    raise InsertFailed(what, last_code, last_message, attempt) from exc
+{ERROR_LINE}
+
+0. /lib/x86_64-linux-gnu/libclickhouse.so.18.16(StackTrace::StackTrace()+0x16) [0x7f9]
+\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(X:581)
+"""
+
+
+def test_root_cause_is_the_innermost_blockagg_error_on_one_line() -> None:
+    assert root_cause(RuntimeError(SPARK_WRAPPED)) == (
+        "InsertFailed: insert into db.dl failed after 1 attempt(s) (code 60): "
+        "DB::Exception: Table db.dl doesn't exist.")
+    assert root_cause(ValueError("plain")) == "ValueError: plain"
 
 
 def test_refusal_reasons_name_the_protocol_refusal() -> None:
