@@ -86,6 +86,22 @@ class TextFormatter(logging.Formatter):
         return text
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to the *current* ``sys.stderr`` (a CLI run under a test runner swaps it
+    per invocation)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup(level: str | int | None = None, fmt: str | None = None) -> None:
     """Configure the root logger: ``BLOCKAGG_LOG_LEVEL`` (INFO) and
     ``BLOCKAGG_LOG_FORMAT`` (``json`` or ``text``) unless given. Idempotent."""
@@ -96,7 +112,7 @@ def setup(level: str | int | None = None, fmt: str | None = None) -> None:
     if _configured:
         root.setLevel(chosen_level)
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(TextFormatter() if chosen_fmt == "text" else JsonFormatter())
     root.handlers = [h for h in root.handlers if not getattr(h, "_blockagg", False)]
     handler._blockagg = True  # type: ignore[attr-defined]

@@ -3,7 +3,8 @@
 The blockagg job's entry point (see ``docs/running.md``). Flags override the common
 keys of the file; ``--set section.key=value`` overrides any other (the value is read
 as a TOML value, else as a string). Exit codes: 0 stopped cleanly (SIGTERM/SIGINT,
-``--until-caught-up``), 1 the query failed, 2 the configuration is refused.
+``--until-caught-up``), 1 the query failed or the start was refused, 2 the
+configuration is refused.
 """
 
 from __future__ import annotations
