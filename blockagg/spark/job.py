@@ -109,11 +109,13 @@ def run(config: Config, until_caught_up: bool) -> int:
     log line naming the thing and the fix (its trace only at DEBUG)."""
     log = logs.get("job")
     try:
-        if os.environ.get("PYSPARK_GATEWAY_PORT"):  # under spark-submit: the JVM runs
-            from blockagg.spark.driver import spark_log_level
+        try:
+            preflight.run(config)
+        finally:
+            if os.environ.get("PYSPARK_GATEWAY_PORT"):  # under spark-submit, the JVM
+                from blockagg.spark.driver import spark_log_level  # runs: keep its exit
 
-            spark_log_level()  # quiet from the start, even if a check refuses
-        preflight.run(config)
+                spark_log_level()  # quiet (after the checks: they answer first)
         from blockagg.spark.components import load_components
         from blockagg.spark.driver import Driver, make_spark
 
