@@ -110,7 +110,7 @@ def run(config: Config, until_caught_up: bool) -> int:
     log = logs.get("job")
     try:
         try:
-            preflight.run(config)
+            preflight.run(config, clickhouse=not os.environ.get("BLOCKAGG_COMPONENTS"))
         finally:
             if os.environ.get("PYSPARK_GATEWAY_PORT"):  # under spark-submit, the JVM
                 from blockagg.spark.driver import spark_log_level  # runs: keep its exit
