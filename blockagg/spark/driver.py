@@ -637,10 +637,11 @@ def make_spark(config: Config, extra_conf: Mapping[str, str] | None = None,
 
 
 FAILURE_TRACE_LOGGERS = (
-    # Spark's loggers that print a failed task's or query's Java and Python traces;
-    # the driver logs the failure as one line ("batch failed", "query failed")
+    # Spark's loggers that print a failed task's or query's Java and Python traces
+    # again and again; the driver logs the failure as one line ("batch failed",
+    # "query failed"). TaskSetManager stays: its "Lost task" warning is the only sign
+    # of a task that failed and succeeded on retry.
     "org.apache.spark.executor.Executor",
-    "org.apache.spark.scheduler.TaskSetManager",
     "org.apache.spark.sql.execution.streaming.MicroBatchExecution",
     "org.apache.spark.sql.execution.streaming.StreamExecution",
 )
