@@ -372,6 +372,10 @@ class Driver:
                 self.metrics.clickhouse_errors.labels(code).inc()
             for reason in refusal_reasons(str(exc))[:1]:
                 self.metrics.partitions_refused.labels(reason).inc()
+            if self._stop_requested.is_set() and _cancelled(exc):
+                logs.event(log, "batch cancelled by the stop (the next start replays it)",
+                           level=30, batch=batch_id)
+                raise
             self.batch_error = root_cause(exc)
             logs.event(log, "batch failed", level=40, batch=batch_id, error=self.batch_error)
             raise
@@ -512,6 +516,7 @@ class Driver:
         """Watch the query until it ends or a stop is requested; the exit code."""
         assert self.query is not None
         stop_deadline: float | None = None
+        stopped_here = False
         try:
             while True:
                 if not self.query.isActive:
@@ -530,6 +535,7 @@ class Driver:
                         if busy:
                             logs.event(log, "stop timeout: abandoning the running batch",
                                        level=30)
+                        stopped_here = True
                         self.query.stop()
                         break
                 try:
@@ -545,6 +551,11 @@ class Driver:
         error = self.query.exception()
         if error is not None and self.failure is None:
             self.failure = error
+        if stopped_here and self.failure is not None and _cancelled(self.failure):
+            # a batch that started between the last check and query.stop() was
+            # cancelled by the stop: abandoned like a kill -9, the next start replays it
+            logs.event(log, "stop: abandoned the batch that had just started", level=30)
+            self.failure = None
         if self.failure is not None:
             logs.event(log, "query failed", level=40,
                        error=self.batch_error or root_cause(self.failure))
@@ -572,6 +583,12 @@ def refusal_reasons(text: str) -> list[str]:
 
 
 _PYTHON_ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*): (.+)$", re.M)
+
+
+def _cancelled(exc: BaseException) -> bool:
+    """Whether a query's error is the cancellation of its running jobs by ``stop()``."""
+    text = str(getattr(exc, "desc", None) or exc)
+    return re.search(r"cancel|InterruptedException|interrupted", text, re.I) is not None
 
 
 def root_cause(exc: BaseException) -> str:

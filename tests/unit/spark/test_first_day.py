@@ -94,6 +94,13 @@ def test_root_cause_is_the_innermost_blockagg_error_on_one_line() -> None:
     assert root_cause(ValueError("plain")) == "ValueError: plain"
 
 
+def test_a_batch_cancelled_by_the_stop_is_not_a_failure() -> None:
+    from blockagg.spark.driver import _cancelled
+
+    assert _cancelled(RuntimeError("Job 7 cancelled part of cancelled job group 1c"))
+    assert not _cancelled(RuntimeError("InsertFailed: insert into db.t failed"))
+
+
 def test_refusal_reasons_name_the_protocol_refusal() -> None:
     text = "PythonException: blockagg.aggregator.core.exceptions.OffsetGap: t[0] gap"
     assert refusal_reasons(text) == ["gap"]
