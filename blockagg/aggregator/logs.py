@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Mapping
@@ -43,6 +44,15 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def _exception_text(formatter: logging.Formatter, record: logging.LogRecord) -> str:
+    """The whole traceback at DEBUG; otherwise only its last line (type and message):
+    an operator's log holds one line per event, not a trace per retry."""
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        return formatter.formatException(record.exc_info)  # type: ignore[arg-type]
+    _, exc, _ = record.exc_info  # type: ignore[misc]
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -56,7 +66,7 @@ class JsonFormatter(logging.Formatter):
         if fields:
             out.update(_jsonable(_masked(fields)))
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = _exception_text(self, record)
         return json.dumps(out, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -71,8 +81,25 @@ class TextFormatter(logging.Formatter):
                 for k, v in _masked(fields).items()
             )
         if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
+            exc = _exception_text(self, record)
+            text += ("\n" if "\n" in exc else " exc=") + exc
         return text
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to the *current* ``sys.stderr`` (a CLI run under a test runner swaps it
+    per invocation)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
 
 
 def setup(level: str | int | None = None, fmt: str | None = None) -> None:
@@ -85,15 +112,89 @@ def setup(level: str | int | None = None, fmt: str | None = None) -> None:
     if _configured:
         root.setLevel(chosen_level)
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(TextFormatter() if chosen_fmt == "text" else JsonFormatter())
     root.handlers = [h for h in root.handlers if not getattr(h, "_blockagg", False)]
     handler._blockagg = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(chosen_level)
-    for noisy in ("py4j", "kafka", "clickhouse_driver"):
+    for noisy in ("py4j", "kafka"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # clickhouse-driver warns with a traceback at each failed connect; blockagg's own
+    # line says which replica and what to change
+    logging.getLogger("clickhouse_driver").setLevel(logging.ERROR)
     _configured = True
+
+
+class RateLimit(logging.Filter):
+    """Let one line of each kind through per ``interval`` seconds.
+
+    A client that cannot reach its broker repeats the same "Connect ... failed" line
+    for every broker and every retry; one line of each kind per interval says the
+    same, and the count of dropped ones rides on the next line that passes."""
+
+    def __init__(self, interval: float = 30.0,
+                 clock: Any = time.monotonic) -> None:
+        super().__init__()
+        self.interval = interval
+        self._clock = clock
+        self._last: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+
+    @staticmethod
+    def kind(record: logging.LogRecord) -> str:
+        """The line without its numbers and addresses: one kind per repeated message."""
+        return re.sub(r"[0-9]+", "#", f"{record.levelno}:{record.getMessage()}")[:200]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = self.kind(record)
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self.interval:
+            self._dropped[kind] = self._dropped.get(kind, 0) + 1
+            return False
+        self._last[kind] = now
+        dropped = self._dropped.pop(kind, 0)
+        if dropped:
+            record.msg = f"{record.getMessage()} (and {dropped} more like it)"
+            record.args = None
+        return True
+
+
+class RetriedAsInfo(logging.Filter):
+    """librdkafka logs each failed connection attempt (facility ``FAIL``) as an error,
+    although the client retries it and the caller gets the error that matters (a
+    timeout naming the bootstrap servers): those lines count as INFO here."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self._logger = logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if args and args[0] == "FAIL" and record.levelno > logging.INFO:
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return self._logger.getEffectiveLevel() <= logging.INFO
+        return True
+
+
+def librdkafka_logger() -> logging.Logger:
+    """The logger librdkafka's own lines go to (``blockagg.librdkafka``): WARNING and
+    above unless the root level is DEBUG, each kind of line at most once per 30 s;
+    connection failures the client retries count as INFO (:class:`RetriedAsInfo`)."""
+    logger = logging.getLogger("blockagg.librdkafka")
+    if not any(isinstance(f, RateLimit) for f in logger.filters):
+        logger.addFilter(RetriedAsInfo(logger))
+        logger.addFilter(RateLimit())
+    debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+    logger.setLevel(logging.DEBUG if debug else logging.WARNING)
+    return logger
+
+
+def kafka_client_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` for a confluent-kafka client, its librdkafka log routed through
+    :func:`librdkafka_logger` (never straight to stderr/stdout as ``%3|...`` lines)."""
+    return {**config, "logger": librdkafka_logger()}
 
 
 def get(name: str) -> logging.Logger:

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 import click
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.exceptions import BlockaggError
 from blockagg.proto.compat import DEFAULT_MODE, Mode
 from blockagg.proto.exceptions import IncompatibleSchema
@@ -35,6 +36,7 @@ from blockagg.proto.registry import (
 )
 
 ColumnsFn = Callable[[str], Sequence[Any]]
+CHECK_TIMEOUT = 8.0
 
 
 @dataclass
@@ -53,6 +55,7 @@ def _fail(ctx: Context, code: int, message: str, **extra: Any) -> NoReturn:
 
 def _clickhouse_columns(hosts: Sequence[str], user: str, password: str) -> ColumnsFn:
     def fetch(table: str) -> Sequence[Any]:
+        from blockagg.aggregator.clickhouse.startup import Fixes, check_replicas, driver_check
         from blockagg.aggregator.clickhouse.writer import (
             ClickHouseBlockWriter,
             Replica,
@@ -63,6 +66,12 @@ def _clickhouse_columns(hosts: Sequence[str], user: str, password: str) -> Colum
         for h in hosts:
             host, _, port = h.partition(":")
             replicas.append(Replica(host, int(port or 9000)))
+        # one bounded, unretried query per endpoint first: a server that is down or
+        # refuses the user is one line naming it, not the writer's retries
+        fixes = Fixes("--clickhouse HOST:PORT ($BLOCKAGG_CH_HOST, $BLOCKAGG_CH_PORTS)",
+                      "--user / --password ($BLOCKAGG_CH_USER, $BLOCKAGG_CH_PASSWORD)")
+        check_replicas((driver_check(r.host, r.port, user, password, CHECK_TIMEOUT, fixes)
+                        for r in replicas), None)
         writer = ClickHouseBlockWriter(WriterConfig(tuple(replicas), user=user,
                                                     password=password, max_attempts=2))
         try:
@@ -70,6 +79,16 @@ def _clickhouse_columns(hosts: Sequence[str], user: str, password: str) -> Colum
         finally:
             writer.close()
     return fetch
+
+
+def _reachable_store(config: dict[str, Any], topic: str) -> Store:
+    """The registry topic's store, once Kafka answered (one line naming the
+    bootstrap servers otherwise, within ``CHECK_TIMEOUT``)."""
+    from blockagg.aggregator.kafka.startup import list_topics
+
+    list_topics(config, CHECK_TIMEOUT,
+                fix="--bootstrap-servers (or $BLOCKAGG_BOOTSTRAP_SERVERS)")
+    return KafkaStore(config, topic)
 
 
 def _default_hosts() -> tuple[str, ...]:
@@ -81,7 +100,9 @@ def _default_hosts() -> tuple[str, ...]:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--bootstrap-servers", envvar="BLOCKAGG_BOOTSTRAP_SERVERS",
-              default="localhost:9092", show_default=True, help="Kafka bootstrap.servers.")
+              default="localhost:9092",
+              show_default="$BLOCKAGG_BOOTSTRAP_SERVERS, else localhost:9092",
+              help="Kafka bootstrap.servers.")
 @click.option("--topic", envvar="BLOCKAGG_SCHEMA_TOPIC", default=DEFAULT_TOPIC,
               show_default=True, help="The compacted registry topic.")
 @click.option("-X", "kafka_props", multiple=True, metavar="KEY=VALUE",
@@ -96,6 +117,7 @@ def _default_hosts() -> tuple[str, ...]:
 def cli(ctx: click.Context, bootstrap_servers: str, topic: str, kafka_props: tuple[str, ...],
         ch_hosts: tuple[str, ...], user: str, password: str, as_json: bool) -> None:
     """Register protobuf message types for ClickHouse tables."""
+    logs.setup(os.environ.get("BLOCKAGG_LOG_LEVEL", "WARNING"), "text")
     if isinstance(ctx.obj, Context):
         ctx.obj.as_json = as_json
         return
@@ -106,7 +128,7 @@ def cli(ctx: click.Context, bootstrap_servers: str, topic: str, kafka_props: tup
             raise click.UsageError(f"-X expects KEY=VALUE, got {prop!r}")
         config[key] = value
     hosts = ch_hosts or _default_hosts()
-    ctx.obj = Context(as_json, lambda: KafkaStore(config, topic),
+    ctx.obj = Context(as_json, lambda: _reachable_store(config, topic),
                       _clickhouse_columns(hosts, user, password))
 
 

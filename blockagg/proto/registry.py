@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
 
+from blockagg.aggregator import logs
 from blockagg.proto.blockagg.v1 import registry_pb2
 from blockagg.proto.descriptors import load_descriptor
 from blockagg.proto.envelope import LATEST, is_table_name
@@ -265,7 +266,7 @@ class KafkaStore:
         """Create the topic (1 partition, ``cleanup.policy=compact``) if missing."""
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-        admin = AdminClient(self.config)
+        admin = AdminClient(logs.kafka_client_config(self.config))
         md = admin.list_topics(timeout=self.timeout_s)
         if self.topic in md.topics:
             return
@@ -312,7 +313,7 @@ class KafkaStore:
         conf = {**self.config, "group.id": f"blockagg-registry-{uuid.uuid4().hex}",
                 "enable.auto.commit": False, "auto.offset.reset": "earliest",
                 "enable.partition.eof": True, "isolation.level": "read_committed"}
-        consumer = Consumer(conf)
+        consumer = Consumer(logs.kafka_client_config(conf))
         try:
             md = consumer.list_topics(self.topic, timeout=self.timeout_s)
             topic = md.topics.get(self.topic)
@@ -358,7 +359,8 @@ class KafkaStore:
     def write(self, key: bytes, value: bytes) -> None:
         from confluent_kafka import KafkaException, Producer
 
-        producer = Producer({**self.config, "enable.idempotence": True, "acks": "all"})
+        producer = Producer(logs.kafka_client_config(
+            {**self.config, "enable.idempotence": True, "acks": "all"}))
         errors: list[str] = []
 
         def done(err: Any, msg: Any) -> None:

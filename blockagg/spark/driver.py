@@ -31,6 +31,7 @@ One run of the job:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -83,11 +84,6 @@ from blockagg.spark.task import (
 log = logs.get("job")
 
 ROW_COLUMNS = ("topic", "partition", "offset", "value", "timestamp")
-
-
-class GracefulStop(JobError):
-    """Raised at the start of a batch once a stop was requested: the batch is left for
-    the next run (Spark does not commit it), nothing of it is processed."""
 
 
 @dataclass
@@ -178,11 +174,14 @@ class Driver:
         self._state = threading.Lock()
         self._stop_requested = threading.Event()
         self._in_batch = False
+        self._signals: Counter[str] = Counter()
+        self.jvm_signals: Any = None
         self.lock: GroupLock | None = None
         self.query: Any = None
         self.batches: list[BatchSummary] = []
         self.caught_up = False
         self.failure: BaseException | None = None
+        self.batch_error: str | None = None
         dl = config.dead_letters
         self.dead_letter_rate = RateWindow(RateThreshold(
             max_rate=dl.max_rate, min_messages=dl.min_messages, window=dl.window,
@@ -232,13 +231,12 @@ class Driver:
         any of them; one that doesn't exist gets dead letters), and the dead-letter
         table.
 
-        The dead-letter table must drop a retried block: refused otherwise. A
-        registered table that would not only gets a warning here, since the shared
-        registry may hold tables no topic of this job carries; the task checks a
-        table again before decoding the first message routed to it
-        (:func:`spark.task.live_columns`) and fails the batch there, before anything
-        of it is committed or inserted. A deduplication window below the shard's need
-        refuses the start (``DedupWindowTooSmall``) for every table, unless
+        Every such table, and the dead-letter table, must drop a retried block: the
+        start is refused otherwise (any envelope may name any registered table, so
+        one that exists on the shard is a target). The task checks a table again
+        before decoding the first message routed to it
+        (:func:`spark.task.live_columns`). A deduplication window below the shard's
+        need refuses the start (``DedupWindowTooSmall``) for every table, unless
         ``clickhouse.allow_small_dedup_window``."""
         registry = self.components.registry(self.config)
         current = getattr(registry, "current", None)
@@ -260,9 +258,9 @@ class Driver:
                     except TableNotFound:
                         continue  # not on this shard; its messages become dead letters
                     except DedupNotConfigured as exc:
-                        if table == dead_letter_table:
-                            raise
-                        warnings = [f"{exc} (the job stops if a message is routed to it)"]
+                        raise DedupNotConfigured(
+                            f"{exc} (refused at start: a message routed to {table} "
+                            "could be inserted twice)") from None
                     for warning in warnings:
                         logs.event(log, "table check", level=30, shard=topic.label,
                                    warning=warning)
@@ -447,9 +445,10 @@ class Driver:
         return ranges
 
     def on_batch(self, df: Any, batch_id: int) -> None:
+        """One micro-batch. A batch that starts after a stop request still runs in
+        full (raising here would fail the query with Spark's error trace); the wait
+        loop stops the query once no batch runs."""
         with self._state:
-            if self._stop_requested.is_set():
-                raise GracefulStop(f"stop requested before batch {batch_id}")
             self._in_batch = True
         started = time.time()
         try:
@@ -461,8 +460,14 @@ class Driver:
             self.metrics.batches.labels("failed").inc()
             for code in re.findall(r"Code: (\d+)", str(exc))[:1]:
                 self.metrics.clickhouse_errors.labels(code).inc()
-            logs.event(log, "batch failed", level=40, batch=batch_id,
-                       error=refusal_in(exc) or f"{type(exc).__name__}: {str(exc)[:2000]}")
+            for reason in refusal_reasons(str(exc))[:1]:
+                self.metrics.partitions_refused.labels(reason).inc()
+            if self._stop_requested.is_set() and _cancelled(exc):
+                logs.event(log, "batch cancelled by the stop (the next start replays it)",
+                           level=30, batch=batch_id)
+                raise
+            self.batch_error = root_cause(exc)
+            logs.event(log, "batch failed", level=40, batch=batch_id, error=self.batch_error)
             raise
         finally:
             with self._state:
@@ -554,18 +559,32 @@ class Driver:
             caught_up = caught_up and lag == 0
         return caught_up
 
+    def on_signal(self, name: str, origin: str) -> None:
+        """A stop signal received by ``origin`` (``python`` or ``jvm``).
+
+        Ctrl-C reaches both processes once, so a second signal *of one origin* means
+        "now": exiting anywhere is safe (the next start replays). Before the query
+        runs nothing needs finishing: the job stops at once, exit 0."""
+        self._signals[origin] += 1
+        if self._signals[origin] > 1:
+            logs.event(log, "exiting at once", signal=name, origin=origin)
+            os._exit(128 + signal.Signals[name].value)
+        if self.query is None:
+            logs.event(log, "stopped", signal=name, before="the query started",
+                       run=f"{self.run_id:016x}")
+            os._exit(0)
+        self.request_stop(name)
+
     def install_signal_handlers(self) -> None:
         def handler(signum: int, frame: FrameType | None) -> None:
-            name = signal.Signals(signum).name
-            if self.query is None or self._stop_requested.is_set():
-                # Before the query runs nothing needs finishing, and a second signal
-                # means "now": exiting anywhere is safe (the next start replays).
-                logs.event(log, "exiting at once", signal=name)
-                os._exit(128 + signum)
-            self.request_stop(name)
+            self.on_signal(signal.Signals(signum).name, "python")
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, handler)
+        from blockagg.spark.signals import JvmSignals
+
+        self.jvm_signals = JvmSignals(self.spark)
+        self.jvm_signals.install(lambda name: self.on_signal(name, "jvm"))
 
     def start(self) -> None:
         """Checks, lock, recovery and query start (no waiting)."""
@@ -595,6 +614,7 @@ class Driver:
         """Watch the query until it ends or a stop is requested; the exit code."""
         assert self.query is not None
         stop_deadline: float | None = None
+        stopped_here = False
         try:
             while True:
                 if not self.query.isActive:
@@ -616,29 +636,107 @@ class Driver:
                         if busy:
                             logs.event(log, "stop timeout: abandoning the running batch",
                                        level=30)
+                        stopped_here = True
                         self.query.stop()
                         break
                 try:
                     self.query.awaitTermination(0.5)
-                except Exception as exc:
-                    # The query ended with an error (awaitTermination raises it): a batch
-                    # that started after a stop request raised GracefulStop, or a real
-                    # failure, told apart below as for query.exception().
-                    if "GracefulStop" not in str(exc):
-                        self.failure = exc
+                except Exception as exc:  # the query ended with an error
+                    self.failure = exc
                     break
         finally:
             if self.lock is not None:
                 self.lock.release()
+            if self.jvm_signals is not None:
+                self.jvm_signals.restore()
         error = self.query.exception()
-        if error is not None and "GracefulStop" not in str(error):
+        if error is not None and self.failure is None:
             self.failure = error
+        if stopped_here and self.failure is not None and _cancelled(self.failure):
+            # a batch that started between the last check and query.stop() was
+            # cancelled by the stop: abandoned like a kill -9, the next start replays it
+            logs.event(log, "stop: abandoned the batch that had just started", level=30)
+            self.failure = None
         if self.failure is not None:
             logs.event(log, "query failed", level=40,
-                       error=refusal_in(self.failure) or str(self.failure)[:4000])
+                       error=self.batch_error or root_cause(self.failure))
             return 1
         logs.event(log, "stopped", batches=len(self.batches), run=f"{self.run_id:016x}")
         return 0
+
+
+REFUSALS: dict[str, str] = {
+    # BatchRefused subclasses (aggregator.core.exceptions) -> the metric's reason label
+    "OffsetGap": "gap",
+    "MetadataAheadOfPartition": "metadata_ahead",
+    "BatchEndsInsideReplayBlock": "ends_inside_replay_block",
+    "ReplayBlockMissing": "replay_block_missing",
+    "MetadataContractViolation": "metadata_contract",
+    "TopicIncarnationChanged": "topic_incarnation_changed",
+    "PinsMismatch": "pins_mismatch",
+}
+
+
+def refusal_reasons(text: str) -> list[str]:
+    """The ``blockagg_batches_refused_total`` reasons named in a failed batch's error
+    (it reaches the driver as text through Spark)."""
+    return [label for name, label in REFUSALS.items() if re.search(rf"\b{name}\b", text)]
+
+
+_PYTHON_ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*): (.+)$", re.M)
+
+
+def _cancelled(exc: BaseException) -> bool:
+    """Whether a query's error is the cancellation of its running jobs by ``stop()``."""
+    text = str(getattr(exc, "desc", None) or exc)
+    return re.search(r"cancel|InterruptedException|interrupted", text, re.I) is not None
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line for a failed batch or query: the innermost Python error raised in a
+    task or in ``foreachBatch`` (Spark wraps it in Java and Python traces), else
+    :func:`short_error`; the server's stack trace cut off."""
+    log.debug("error details", exc_info=exc)
+    text = str(getattr(exc, "desc", None) or exc)
+    frames = [m for m in _PYTHON_ERROR.finditer(text)
+              if not m.group(1).endswith(("Exception", "Warning")) or "blockagg" in m.group(0)]
+    if "Traceback (most recent call last)" in text and frames:
+        last = frames[-1]
+        message = re.split(r"\.?\s*Stack trace:", last.group(2))[0]
+        return f"{last.group(1)}: {' '.join(message.split())}"[:2000]
+    return f"{type(exc).__name__}: {short_error(exc)}"
+
+
+def short_error(exc: BaseException, limit: int = 4000) -> str:
+    """An error on one line: a Java/Python trace or a server's stack trace cut off
+    (the whole error is logged at DEBUG)."""
+    log.debug("error details", exc_info=exc)
+    text = str(getattr(exc, "desc", None) or exc)
+    refusal = refusal_in(text)
+    if refusal is not None:
+        return refusal[:2000]
+    text = re.split(r"\n\s*at |\n\tat |Traceback \(most recent|\.?\s*Stack trace:", text)[0]
+    return " ".join(text.split())[:limit]
+
+
+def spark_log_level() -> str | None:
+    """Spark's (log4j's) level: WARN unless blockagg logs at DEBUG (then INFO) or the
+    user chose one (``--conf spark.log.level``). Set on the running JVM at once, so
+    the SparkContext's start-up is quiet too; None when the user's choice stands."""
+    from pyspark import SparkConf, SparkContext
+
+    debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+    level = "INFO" if debug else "WARN"
+    try:
+        SparkContext._ensure_initialized()
+        if SparkConf().contains("spark.log.level"):
+            return None
+        jvm: Any = SparkContext._jvm
+        jvm.org.apache.logging.log4j.core.config.Configurator.setRootLevel(
+            jvm.org.apache.logging.log4j.Level.getLevel(level))
+    except Exception as exc:  # a JVM without log4j 2: Spark's own level still applies
+        log.debug("setting log4j's root level failed: %s", exc)
+    return level
 
 
 def make_spark(config: Config, extra_conf: Mapping[str, str] | None = None,
@@ -647,9 +745,36 @@ def make_spark(config: Config, extra_conf: Mapping[str, str] | None = None,
 
     b = builder or SparkSession.builder
     b = b.appName(config.job.name).config("spark.speculation", "false")
+    spark_level = spark_log_level()
+    if spark_level is not None:
+        b = b.config("spark.log.level", spark_level)
     for key, value in (extra_conf or {}).items():
         b = b.config(key, value)
     spark = b.getOrCreate()
     check_speculation(spark)
+    if spark_level == "WARN":
+        quiet_failure_traces(spark)
     return spark
+
+
+FAILURE_TRACE_LOGGERS = (
+    # Spark's loggers that print a failed task's or query's Java and Python traces
+    # again and again; the driver logs the failure as one line ("batch failed",
+    # "query failed"). TaskSetManager stays: its "Lost task" warning is the only sign
+    # of a task that failed and succeeded on retry.
+    "org.apache.spark.executor.Executor",
+    "org.apache.spark.sql.execution.streaming.MicroBatchExecution",
+    "org.apache.spark.sql.execution.streaming.StreamExecution",
+)
+
+
+def quiet_failure_traces(spark: Any) -> None:
+    """Spark's failure traces only at DEBUG (``--log-level DEBUG`` leaves them on)."""
+    try:
+        jvm = spark.sparkContext._jvm
+        for name in FAILURE_TRACE_LOGGERS:
+            jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+                name, jvm.org.apache.logging.log4j.Level.OFF)
+    except Exception as exc:  # a JVM without log4j 2: the traces stay
+        log.debug("quieting Spark's failure traces failed: %s", exc)
 

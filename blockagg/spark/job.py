@@ -3,14 +3,17 @@
 The blockagg job's entry point (see ``docs/running.md``). Flags override the common
 keys of the file; ``--set section.key=value`` overrides any other (the value is read
 as a TOML value, else as a string). Exit codes: 0 stopped cleanly (SIGTERM/SIGINT,
-``--until-caught-up``), 1 the query failed, 2 the configuration is refused.
+``--until-caught-up``), 1 the query failed or the start was refused, 2 the
+configuration is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +23,9 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the repo im
 import click
 
 from blockagg.aggregator import logs
-from blockagg.aggregator.config import load
+from blockagg.aggregator.config import SECRET_KEY_PARTS, Config, Secret, load
 from blockagg.aggregator.exceptions import BlockaggError, ConfigError
+from blockagg.spark import preflight
 
 
 def _toml_value(text: str) -> Any:
@@ -75,37 +79,74 @@ def main(config_path: str, bootstrap_servers: str | None, group: str | None,
     try:
         config = load(config_path, overrides)
     except ConfigError as exc:
-        logs.event(log, "configuration refused", level=40, error=str(exc))
-        click.echo(f"blockagg: configuration refused: {exc}", err=True)
+        logs.event(log, f"configuration refused: {exc}", level=40, exit=2)
         sys.exit(2)
-    logs.event(log, "configuration", pid=os.getpid(),
-               config={k: repr(v) for k, v in config.summary().items()})
+    logs.event(log, "configuration", pid=os.getpid(), parent_pid=os.getppid(),
+               config=plain(config.summary()))
+    sys.exit(run(config, until_caught_up))
 
-    from blockagg.spark.components import load_components
-    from blockagg.spark.driver import Driver, make_spark
 
-    code = 1
+def plain(value: Any) -> Any:
+    """A configuration value as plain JSON data (dataclasses as objects, secrets
+    masked), so the configuration line is JSON all the way down."""
+    if isinstance(value, Secret):
+        return "***" if value else ""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): "***" if value[k] and any(p in str(k).lower()
+                                                  for p in SECRET_KEY_PARTS)
+                else plain(value[k]) for k in value}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def run(config: Config, until_caught_up: bool) -> int:
+    """Start-up checks, Spark, the query; the exit code. A refusal or failure is one
+    log line naming the thing and the fix (its trace only at DEBUG)."""
+    log = logs.get("job")
     try:
+        try:
+            preflight.run(config, clickhouse=not os.environ.get("BLOCKAGG_COMPONENTS"))
+        finally:
+            if os.environ.get("PYSPARK_GATEWAY_PORT"):  # under spark-submit, the JVM
+                from blockagg.spark.driver import spark_log_level  # runs: keep its exit
+
+                spark_log_level()  # quiet (after the checks: they answer first)
+        from blockagg.spark.components import load_components
+        from blockagg.spark.driver import Driver, make_spark
+
         spark = make_spark(config)
-        spark.sparkContext.setLogLevel("WARN")
         spec = os.environ.get("BLOCKAGG_COMPONENTS")
         components = load_components(spec) if spec else None
         driver = Driver(config, spark, components)
         driver.install_signal_handlers()
         driver.metrics.serve(config.metrics.port, config.metrics.host)
-        driver.start()
-        code = driver.wait(until_caught_up=until_caught_up)
-        if isinstance(driver.failure, BlockaggError):
-            click.echo(f"blockagg: {driver.failure}", err=True)
+        try:
+            driver.start()
+        except BaseException:
+            if driver.lock is not None:  # leave the lock group now, not at session timeout
+                driver.lock.release()
+            raise
+        return driver.wait(until_caught_up=until_caught_up)
     except ConfigError as exc:
-        logs.event(log, "configuration refused", level=40, error=str(exc))
-        click.echo(f"blockagg: configuration refused: {exc}", err=True)
-        code = 2
+        logs.event(log, f"configuration refused: {exc}", level=40, exit=2)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C during the start-up checks: nothing written yet
+        logs.event(log, "stopped", signal="SIGINT", before="the query started")
+        return 0
     except BlockaggError as exc:
-        logs.event(log, "refused", level=40, error=str(exc))
-        click.echo(f"blockagg: {exc}", err=True)
-        code = 1
-    sys.exit(code)
+        log.debug("refused", exc_info=exc)
+        logs.event(log, f"start refused: {exc}", level=40, exit=1)
+        return 1
+    except Exception as exc:
+        from blockagg.spark.driver import root_cause
+
+        logs.event(log, f"failed: {root_cause(exc)}", level=40, exit=1)
+        return 1
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ from blockagg.spark.offsets import TopicPartition
 
 log = logs.get("lock")
 
+WAIT_NOTICE_INTERVAL = 10.0
+
 
 def _describe(admin: Any, group: str, timeout: float = 10.0) -> Any:
     futures = admin.describe_consumer_groups([group], request_timeout=timeout)
@@ -41,7 +43,7 @@ def check_metadata_group_idle(kafka_config: Mapping[str, str], group: str) -> No
     """Refuse when the metadata group has active members (its commits would fail)."""
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient(dict(kafka_config))
+    admin = AdminClient(logs.kafka_client_config(kafka_config))
     try:
         description = _describe(admin, group)
     except Exception as exc:  # a group that never existed is fine
@@ -88,7 +90,7 @@ class GroupLock:
                 "auto.offset.reset": "latest",
             }
         )
-        self._consumer = Consumer(conf)
+        self._consumer = Consumer(logs.kafka_client_config(conf))
         self._admin_conf: dict[str, Any] = dict(kafka_config)
         self._assigned: set[TopicPartition] = set()
         self._lock = threading.Lock()
@@ -154,7 +156,7 @@ class GroupLock:
         """Partitions of our topics held by other members of the lock group."""
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient(self._admin_conf)
+        admin = AdminClient(logs.kafka_client_config(self._admin_conf))
         description = _describe(admin, self.group)
         with self._lock:
             me = self._member_id
@@ -175,6 +177,7 @@ class GroupLock:
         self._thread = threading.Thread(target=self._poll, name="blockagg-lock", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
+        next_notice = 0.0
         others: dict[TopicPartition, str] = {}
         while True:
             time.sleep(1.0)
@@ -191,6 +194,9 @@ class GroupLock:
                 self._held = True
                 logs.event(log, "lock acquired", group=self.group, partitions=len(mine))
                 return
+            if others and time.monotonic() >= next_notice:
+                next_notice = time.monotonic() + WAIT_NOTICE_INTERVAL
+                self._log_waiting(others, deadline)
             if time.monotonic() >= deadline:
                 self.release()
                 if others:
@@ -205,6 +211,14 @@ class GroupLock:
                     f"could not join lock group {self.group} within {timeout:.0f}s (no "
                     "partition assigned): are the topics there and the brokers reachable?"
                 )
+
+    def _log_waiting(self, others: Mapping[TopicPartition, str], deadline: float) -> None:
+        holders = sorted(set(others.values()))
+        logs.event(log, "waiting for the lock", level=30, group=self.group,
+                   holders=holders, partitions=len(others),
+                   refusing_in=f"{max(0.0, deadline - time.monotonic()):.0f}s",
+                   hint="another job serves this metadata group and topic; it is "
+                        "refused at job.lock_timeout unless the holder goes away")
 
     def release(self) -> None:
         self._held = False

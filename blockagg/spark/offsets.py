@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.core.model import Committed
 from blockagg.spark.exceptions import OffsetLogError
 
@@ -290,7 +291,7 @@ def make_consumer(config: Mapping[str, str], group_id: str) -> Any:
         }
     )
     try:
-        return Consumer(conf)
+        return Consumer(logs.kafka_client_config(conf))
     except KafkaException as exc:
         _raise_config(exc)
         raise

@@ -16,6 +16,7 @@ from typing import Any, Final
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.rows import COORDINATE_COLUMNS
 from blockagg.proto.blockagg.v1.envelope_pb2 import Envelope
 from blockagg.proto.envelope import is_table_name
@@ -80,8 +81,9 @@ class KafkaAuditReader:
                                 "bootstrap.servers": bootstrap_servers}
         self._settings = dict(settings or {})
         try:
-            self._data = Consumer({**base, "group.id": f"blockagg-arv-{uuid.uuid4().hex}"})
-            self._offsets = Consumer({**base, "group.id": group})
+            self._data = Consumer(logs.kafka_client_config(
+                {**base, "group.id": f"blockagg-arv-{uuid.uuid4().hex}"}))
+            self._offsets = Consumer(logs.kafka_client_config({**base, "group.id": group}))
         except (KafkaException, ValueError) as exc:
             raise AuditError(f"cannot create the Kafka consumer: {_reason(exc)}") from exc
 
@@ -90,7 +92,8 @@ class KafkaAuditReader:
             return self._data.list_topics(topic, timeout=self.timeout)
         except KafkaException as exc:
             raise AuditError(
-                f"cannot reach the Kafka cluster: {_reason(exc)}; check --bootstrap-servers "
+                f"cannot reach the Kafka cluster {self.bootstrap_servers!r}: {_reason(exc)}; "
+                "check --bootstrap-servers "
                 "and the security settings (-X security.protocol=...)") from exc
 
     def group_topics(self) -> list[str]:
@@ -98,7 +101,8 @@ class KafkaAuditReader:
         from confluent_kafka.admin import AdminClient
 
         self._topic_metadata(None)  # a clear error when the cluster is unreachable
-        admin = AdminClient({**self._settings, "bootstrap.servers": self.bootstrap_servers})
+        admin = AdminClient(logs.kafka_client_config(
+            {**self._settings, "bootstrap.servers": self.bootstrap_servers}))
         futures = admin.list_consumer_group_offsets(
             [ConsumerGroupTopicPartitions(self.group)], request_timeout=self.timeout)
         try:

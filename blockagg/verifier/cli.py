@@ -21,6 +21,7 @@ from typing import Any, Final, TextIO
 import click
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.core.metadata import Metadata
 from blockagg.proto.envelope import is_table_name
 from blockagg.verifier.audit import DEFAULT_EXAMPLES, AuditReport, audit_partitions, make_plan
@@ -149,7 +150,10 @@ def _parse_start(values: tuple[str, ...]) -> dict[int, int]:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def cli() -> None:
-    """The Aggregator Runtime Verifier: proves blockagg's history has no loss or duplicate."""
+    """The Aggregator Runtime Verifier: `verify` proves the committed history of a
+    group has no backward, overlap or gap; `audit` proves ClickHouse holds each
+    delivered message exactly once."""
+    logs.setup(os.environ.get("BLOCKAGG_LOG_LEVEL", "WARNING"), "text")
 
 
 @cli.command()
@@ -172,6 +176,9 @@ def cli() -> None:
                    "the beginning; repeatable.")
 @click.option("--strict", is_flag=True,
               help="Count foreign-writer notices as anomalies (exit 1).")
+@click.option("--require-commits/--no-require-commits", default=True, show_default=True,
+              help="Exit 2 when a --group has no offset commit at all (a misspelled group "
+                   "must not pass a CI gate).")
 @click.option("--timeout", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
               metavar="SECONDS", help="Timeout of metadata and watermark requests.")
 @click.option("-X", "--setting", "settings", multiple=True, metavar="KEY=VALUE",
@@ -188,12 +195,14 @@ def verify(
     metrics_addr: str,
     start: tuple[str, ...],
     strict: bool,
+    require_commits: bool,
     timeout: float,
     settings: tuple[str, ...],
 ) -> None:
     """Check the committed metadata history of GROUP(s) for Backward, Overlap and Gap.
 
-    Exit codes: 0 clean, 1 anomalies found, 2 could not run.
+    Exit codes: 0 clean, 1 anomalies found, 2 could not run (or, with
+    --require-commits, the default, a group without any commit).
     """
     if (metrics_port is not None or duration is not None) and not follow:
         raise click.UsageError("--metrics-port and --duration need --follow")
@@ -204,7 +213,8 @@ def verify(
         raise click.BadParameter(str(exc), param_hint="-X") from None
     try:
         code = _verify(bootstrap_servers, groups, topics, as_json, follow, duration,
-                       metrics_port, metrics_addr, start_offsets, strict, timeout, passthrough)
+                       metrics_port, metrics_addr, start_offsets, strict, timeout, passthrough,
+                       require_commits)
     except VerifierError as exc:
         click.echo(f"arv: error: {exc}", err=True)
         sys.exit(EXIT_CANNOT_RUN)
@@ -224,6 +234,7 @@ def _verify(
     strict: bool,
     timeout: float,
     settings: dict[str, str],
+    require_commits: bool = True,
 ) -> int:
     report = Report(click.get_text_stream("stdout"), as_json, strict)
     metrics = Metrics() if follow else None
@@ -274,9 +285,13 @@ def _verify(
         finally:
             if server is not None:
                 server.shutdown()
-    for group in sorted(set(groups) - seen_groups):
-        click.echo(f"arv: warning: no offset commit of group {group!r} found"
-                   + (f" for topics {', '.join(topics)}" if topics else ""), err=True)
+    missing = sorted(set(groups) - seen_groups)
+    for group in missing:
+        click.echo(f"arv: {'error' if require_commits else 'warning'}: no offset commit of "
+                   f"group {group!r} found"
+                   + (f" for topics {', '.join(topics)}" if topics else "")
+                   + (": nothing proven (a misspelled --group?); --no-require-commits "
+                      "accepts it" if require_commits else ""), err=True)
     click.echo(
         f"arv: checked {verifier.commits_checked} commits of {verifier.partitions} "
         f"partitions ({reader.records_read} records read): {report.anomalies} anomalies, "
@@ -287,6 +302,8 @@ def _verify(
     if decode_failures:
         click.echo("arv: error: some records of the watched groups did not decode, so the "
                    "history is incomplete; see the warnings above", err=True)
+        return EXIT_CANNOT_RUN
+    if missing and require_commits:
         return EXIT_CANNOT_RUN
     return EXIT_CLEAN
 

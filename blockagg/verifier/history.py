@@ -34,6 +34,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from blockagg.aggregator import logs
 from blockagg.verifier.exceptions import HistoryReadError, OffsetsDecodeError
 from blockagg.verifier.offsets_codec import OffsetCommitKey, decode_key, decode_value
 from blockagg.verifier.rules import Commit
@@ -161,6 +162,7 @@ class HistoryReader:
         self.groups = frozenset(groups)
         self.topics = frozenset(topics)
         self.timeout = timeout
+        self.bootstrap_servers = bootstrap_servers
         config: dict[str, Any] = {
             **(settings or {}),
             **RESERVED_SETTINGS,
@@ -168,7 +170,7 @@ class HistoryReader:
             "group.id": f"blockagg-arv-{uuid.uuid4().hex}",
         }
         try:
-            self._consumer = Consumer(config)
+            self._consumer = Consumer(logs.kafka_client_config(config))
         except (KafkaException, ValueError) as exc:
             raise HistoryReadError(f"cannot create the Kafka consumer: {_reason(exc)}") from exc
         self.partitions: tuple[int, ...] = ()
@@ -188,7 +190,8 @@ class HistoryReader:
             meta = self._consumer.list_topics(OFFSETS_TOPIC, timeout=self.timeout)
         except KafkaException as exc:
             raise HistoryReadError(
-                f"cannot reach the cluster to read {OFFSETS_TOPIC}: {_reason(exc)}; check "
+                f"cannot reach the Kafka cluster {self.bootstrap_servers!r} to read "
+                f"{OFFSETS_TOPIC}: {_reason(exc)}; check "
                 "--bootstrap-servers and the security settings (-X security.protocol=...)"
             ) from exc
         topic = meta.topics.get(OFFSETS_TOPIC)

@@ -37,8 +37,9 @@ and each commit on its own for:
     for the group (an operator's ``kafka-consumer-groups --reset-offsets``, which
     ``docs/metadata.md`` calls a Reset, or another application sharing the group id).
     It replaces M: the next blockagg commit M' is not compared with the metadata before
-    the reset for backward/overlap, and is a gap if ``M'.start`` is above the reset's
-    offset.
+    the reset for backward/overlap; it is a gap if ``M'.start`` is above the reset's
+    offset and backward (an anomaly) if below it: blockagg resumes exactly at the
+    committed offset, so a rewind under a reset is never the operator's doing.
 ``past_end``
     The commit claims offsets beyond the partition's high watermark (the committed
     offset, or the batch end).
@@ -217,6 +218,21 @@ def check_start(resume: int, current: Metadata) -> list[Finding]:
     )]
 
 
+def check_after_reset(reset: int, current: Metadata) -> list[Finding]:
+    """After a foreign commit (a reset to ``reset``) or an offset mismatch, blockagg
+    resumes from the committed offset: its next batch starts exactly there. Starting
+    past it is a gap (:func:`check_start`); starting below it rewinds under the reset
+    and re-reads offsets, an anomaly (backward), not a notice: no operator asked for it.
+    """
+    if current.start >= reset:
+        return check_start(reset, current)
+    return [Finding(
+        AnomalyKind.BACKWARD,
+        f"batch starts at {current.start}, below the offset {reset} the group was reset "
+        f"to: offsets [{current.start}, {reset}) are read again",
+    )]
+
+
 def check_blocks(metadata: Metadata) -> list[Finding]:
     """Invariant 5 of ``docs/metadata.md``: every listed block starts at or after resume.
 
@@ -325,7 +341,7 @@ class Verifier:
             if previous is not None:
                 findings.extend(check_pair(previous, current))
             elif last is not None:
-                findings.extend(check_start(last.resume, current))
+                findings.extend(check_after_reset(last.resume, current))
             if mismatch:
                 self._last[key] = _Last(None, commit.offset, commit.commit_timestamp)
             else:

@@ -180,6 +180,11 @@ def test_topic_filter_and_unknown_group(kafka_bootstrap: str, data_topic: str) -
     group = commit_history(kafka_bootstrap, data_topic,
                            [md(100, 200, 200), md(210, 300, 210, batch=1)])
     result, findings = verify(kafka_bootstrap, group, "--topic", "some-other-topic")
+    assert (result.exit_code, findings) == (2, [])  # --require-commits is the default
+    assert "no offset commit of group" in result.stderr
+    assert "--no-require-commits" in result.stderr
+    result, findings = verify(kafka_bootstrap, group, "--topic", "some-other-topic",
+                              "--no-require-commits")
     assert (result.exit_code, findings) == (0, [])
     assert "no offset commit of group" in result.stderr
 

@@ -26,6 +26,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter
 from blockagg.aggregator.clickhouse.exceptions import ClickHouseError
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
@@ -124,7 +125,7 @@ class DeadLetterTopic:
 def _confluent_producer(config: dict[str, Any]) -> Producer:
     from confluent_kafka import Producer as KafkaProducer
 
-    producer: Any = KafkaProducer(config)
+    producer: Any = KafkaProducer(logs.kafka_client_config(config))
     return producer  # type: ignore[no-any-return]
 
 

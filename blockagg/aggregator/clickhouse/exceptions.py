@@ -75,3 +75,15 @@ class DedupModeMismatch(ClickHouseError):
     """A replay's pinned deduplication mode (token or content hash) can't be kept by
     the server answering: it is on the other side of the ``insert_deduplication_token``
     boundary. Nothing was sent."""
+
+
+class ClickHouseUnreachable(ClickHouseError):
+    """A replica did not accept a connection (down, wrong host or port, firewall)."""
+
+
+class ClickHouseAuthFailed(ClickHouseError):
+    """A replica refused the configured user (unknown user or wrong password)."""
+
+
+class DeadLetterTableInvalid(ClickHouseError):
+    """The dead-letter table is missing on a replica or lacks an expected column."""

@@ -639,9 +639,10 @@ class ClickHouseBlockWriter:
                 last_code, last_message = code, str(exc)
                 if code not in RETRIABLE_CODES:
                     raise InsertFailed(what, code, last_message, attempt) from exc
-            log.warning("%s on %s:%d failed (attempt %d/%d): %s; retrying the identical "
-                        "block", what, replica.host, replica.port, attempt,
-                        self.config.max_attempts, last_message)
+            log.warning("%s on %s:%d failed (attempt %d/%d): %s; retrying %s", what,
+                        replica.host, replica.port, attempt, self.config.max_attempts,
+                        last_message.split("Stack trace:")[0].strip(),
+                        "the query" if what == "(query)" else "the identical block")
             self._drop(replica)
             self._preferred += 1
             if attempt < self.config.max_attempts:

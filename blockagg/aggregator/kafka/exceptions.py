@@ -27,3 +27,11 @@ class AttemptFenced(MetadataCommitError):
     (its transactional id was initialised again), or the partition's last commit is no
     longer the intent this attempt wrote. The attempt must stop without retrying: the
     newer attempt replays whatever this one left unfinished."""
+
+
+class KafkaUnreachable(KafkaAdapterError):
+    """No broker of ``bootstrap.servers`` answered a metadata request in time."""
+
+
+class TopicMissing(KafkaAdapterError):
+    """A configured topic (or every topic of a pattern) does not exist on the cluster."""

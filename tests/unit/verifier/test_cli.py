@@ -50,7 +50,8 @@ def test_unknown_kafka_setting_exits_2_naming_it() -> None:
 def test_unreachable_cluster_exits_2() -> None:
     code, stdout, stderr = invoke(*BASE, "--group", "g", "--timeout", "1")
     assert code == 2
-    assert "cannot reach the cluster" in stderr and "--bootstrap-servers" in stderr
+    assert "cannot reach the Kafka cluster '127.0.0.1:1'" in stderr
+    assert "--bootstrap-servers" in stderr
     assert stdout == ""
 
 

@@ -161,6 +161,17 @@ def test_foreign_writer_is_a_notice_and_resets_the_comparison() -> None:
         AnomalyKind.FOREIGN_WRITER, AnomalyKind.GAP]
 
 
+def test_a_rewind_below_a_reset_is_an_anomaly_not_a_notice() -> None:
+    before = md(100, 200, 150, B(1, 150, 199))
+    below_reset = md(40, 150, 40, B(1, 40, 149), run=2)
+    found = kinds(commit(before), commit("", offset=50), commit(below_reset))
+    assert found == [AnomalyKind.FOREIGN_WRITER, AnomalyKind.BACKWARD]
+    assert not AnomalyKind.BACKWARD.is_notice
+    moved = md(100, 200, 150, B(1, 150, 199))
+    assert kinds(commit(moved, offset=160), commit(md(155, 300, 155, run=2))) == [
+        AnomalyKind.OFFSET_MISMATCH, AnomalyKind.BACKWARD]
+
+
 def test_past_end() -> None:
     m = md(100, 200, 200)
     assert kinds(commit(m), high_watermark=199) == [AnomalyKind.PAST_END]

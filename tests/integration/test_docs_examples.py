@@ -1,0 +1,142 @@
+"""The docs' runnable examples, run as a new user runs them, against the real stack, so
+they stay true.
+
+From ``docs/producing.md``: the row type (the ``proto`` block), the table (the ``sql``
+block, on every replica), the commands (the ``sh`` block: create the topic, generate the
+Python module, ``ba-schema register``, run the producer) and the producer itself (the
+``python`` block, as ``produce_orders.py``). From ``docs/running.md``: the
+``spark-submit`` command, with ``--until-caught-up``. Then every produced row is in
+ClickHouse exactly once.
+
+What is substituted, and only that: the stack's addresses for ``localhost:9092`` and
+``localhost:9000``, a database and a topic unique to the test for ``shop`` and ``orders``,
+the test's Python for ``python``, and the config file. ``kafka-topics.sh`` is not part
+of the local stack (Kafka runs from its jars): its line is run with the same arguments
+through confluent-kafka's AdminClient.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.user_job import REPO, fenced_blocks, shell_commands, words
+
+pytestmark = pytest.mark.integration
+
+PRODUCING_MD = REPO / "docs" / "producing.md"
+RUNNING_MD = REPO / "docs" / "running.md"
+
+
+@pytest.fixture
+def shop(ch_replicas: list[Any]) -> Iterator[str]:
+    database = f"shop_{uuid.uuid4().hex[:10]}"
+    yield database
+    for client in ch_replicas:
+        client.execute(f"DROP DATABASE IF EXISTS {database}")
+
+
+def create_topic(command: str, bootstrap: str) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+    args = words(command)
+    topic = args[args.index("--topic") + 1]
+    partitions = int(args[args.index("--partitions") + 1])
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(30)
+
+
+def test_producing_md_producer_and_running_md_spark_submit(
+        tmp_path: Path, stack_env: dict[str, str], ch_replicas: list[Any], shop: str) -> None:
+    bootstrap = stack_env["BLOCKAGG_BOOTSTRAP_SERVERS"]
+    host = stack_env["BLOCKAGG_CH_HOST"]
+    ports = stack_env["BLOCKAGG_CH_PORTS"].split(",")
+    topic = f"orders_{uuid.uuid4().hex[:10]}"
+
+    def ours(text: str) -> str:
+        text = text.replace("localhost:9092", bootstrap)
+        text = text.replace("localhost:9000", f"{host}:{ports[0]}")
+        text = re.sub(r"\bshop\.orders\b", f"{shop}.orders", text)
+        text = re.sub(r"\bDATABASE IF NOT EXISTS shop\b", f"DATABASE IF NOT EXISTS {shop}", text)
+        return re.sub(r"(--topic|localhost:9092|" + re.escape(bootstrap) + r") orders\b",
+                      rf"\1 {topic}", text)
+
+    row_proto = [b for b in fenced_blocks(PRODUCING_MD, "proto") if "package shop.v1" in b]
+    [sql] = fenced_blocks(PRODUCING_MD, "sql")
+    [commands] = fenced_blocks(PRODUCING_MD, "sh")
+    [producer] = fenced_blocks(PRODUCING_MD, "python")
+    (tmp_path / "shop" / "v1").mkdir(parents=True)
+    (tmp_path / "shop" / "v1" / "order.proto").write_text(row_proto[0])
+    (tmp_path / "produce_orders.py").write_text(ours(producer))
+
+    from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
+
+    for client in ch_replicas:  # the docs: on every replica
+        for statement in ours(sql).split(";"):
+            if statement.strip():
+                client.execute(statement)
+        client.execute(dead_letter_ddl(f"{shop}.dead_letters"))
+
+    env = {**os.environ, **stack_env,
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+           "PYTHONPATH": f"{tmp_path}:{REPO}", "BLOCKAGG_LOG_FORMAT": "text"}
+    for command in shell_commands(ours(commands)):
+        if command.startswith("kafka-topics.sh"):
+            create_topic(command, bootstrap)
+            continue
+        command = re.sub(r"^python\b", sys.executable, command)
+        res = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, check=False, timeout=300)
+        assert res.returncode == 0, f"{command}: exit {res.returncode}\n{res.stderr[-4000:]}"
+
+    config = tmp_path / "blockagg.toml"
+    config.write_text(f"""
+[job]
+metadata_group_id = "docs-{topic}"
+checkpoint_location = "{tmp_path / 'checkpoint'}"
+trigger_interval = "500ms"
+
+[[topics]]
+name = "{topic}"
+replicas = [{", ".join(f'"{host}:{p}"' for p in ports)}]
+
+[clickhouse]
+database = "{shop}"
+
+[kafka]
+"bootstrap.servers" = "{bootstrap}"
+
+[dead_letters]
+table = "{shop}.dead_letters"
+
+[metrics]
+port = 0
+""")
+    [submit] = [c for b in fenced_blocks(RUNNING_MD, "sh") for c in shell_commands(b)
+                if c.startswith("spark-submit")]
+    submit = submit.replace("--config blockagg.toml", f"--config {config}")
+    submit = submit.replace("--conf spark.speculation=false",
+                            "--conf spark.speculation=false --conf spark.ui.enabled=false")
+    res = subprocess.run(["bash", "-c", f"{submit} --until-caught-up"], cwd=REPO, env=env,
+                         capture_output=True, text=True, check=False, timeout=600)
+    out = res.stdout + res.stderr
+    (tmp_path / "job.log").write_text(out)
+    assert res.returncode == 0, f"{submit}: exit {res.returncode}\n{out[-6000:]}"
+    assert "blockagg.job: stopped" in out
+
+    for client in ch_replicas:
+        client.execute(f"SYSTEM SYNC REPLICA {shop}.orders")
+    expected = 100 * 50  # the producer: 100 envelopes of 50 orders, ids 0..4999
+    for client in ch_replicas:
+        count, unique, low, high = client.execute(
+            f"SELECT count(), uniqExact(id), min(id), max(id) FROM {shop}.orders")[0]
+        assert (count, unique, low, high) == (expected, expected, 0, expected - 1)
+        assert client.execute(f"SELECT count() FROM {shop}.dead_letters")[0][0] == 0

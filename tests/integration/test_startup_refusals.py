@@ -1,0 +1,172 @@
+"""The operator's first day, against the real services: each failure path
+of ``spark-submit blockagg/spark/job.py``, ``ba-schema`` and ``arv`` ends in one line
+naming the thing and the fix, with the documented exit code, no stack trace, and
+nothing written (no commit in the metadata group, no row, no dead letter).
+
+Refusals that come from the start-up checks happen before Spark starts: the output
+has no ``SparkContext`` line, which is what bounds their time (the checks are single
+requests of at most 6 s for Kafka and 5 s for ClickHouse). The elapsed seconds are
+printed, not asserted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from tests.integration.user_job import Job, Run, assert_no_trace, the_error
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def job(tmp_path: Path, stack_env: dict[str, str], new_topic: Callable[..., str],
+        ch_database: str, ch_replicas: list[Any]) -> Iterator[Job]:
+    user = Job(tmp_path, stack_env, ch_database, new_topic(partitions=2, prefix="fd"),
+               ch_replicas)
+    user.create_tables()
+    user.produce(20)
+    yield user
+
+
+def refused(run: Run, *names: str, code: int = 1, before_spark: bool = True) -> str:
+    line = the_error(run.out)
+    print(f"\n{run.seconds:.1f}s exit {run.code}: {line}")
+    assert run.code == code, run.out[-4000:]
+    for name in names:
+        assert name in line, f"{name!r} not named in: {line}"
+    if before_spark:
+        assert "SparkContext: Running Spark" not in run.out, "refused only after Spark started"
+    return line
+
+
+def test_kafka_unreachable(job: Job) -> None:
+    run = job.run(job.config(bootstrap="127.0.0.1:1"))
+    line = refused(run, "Kafka unreachable", "127.0.0.1:1", "bootstrap.servers")
+    assert "within 6s" in line
+    assert "Connect to" not in run.out  # librdkafka's own connect failures stay quiet
+    job.assert_nothing_written()
+
+
+def test_missing_topic_is_named(job: Job) -> None:
+    run = job.run(job.config(topic="no-such-topic-fd"))
+    refused(run, "topic 'no-such-topic-fd' does not exist", "--create --topic no-such-topic-fd")
+    job.assert_nothing_written()
+
+
+def test_clickhouse_unreachable(job: Job) -> None:
+    run = job.run(job.config(replicas=[job.replicas[0], "127.0.0.1:1"]))
+    line = refused(run, "ClickHouse unreachable at 127.0.0.1:1", "[[topics]] replicas")
+    assert "retrying" not in run.out and "attempt" not in line
+    job.assert_nothing_written()
+
+
+def test_wrong_clickhouse_password(job: Job) -> None:
+    run = job.run(job.config(clickhouse='password = "not-the-password"'))
+    line = refused(run, "refused user 'default'", "password")
+    assert "not-the-password" not in run.out
+    assert ".so" not in line  # the server's C++ stack trace is cut off
+    job.assert_nothing_written()
+
+
+def test_dead_letter_table_missing(job: Job) -> None:
+    run = job.run(job.config(dead_letters=f"{job.database}.missing_dead_letters"))
+    refused(run, f"dead-letter table {job.database}.missing_dead_letters does not exist",
+            job.replicas[0])
+    job.assert_nothing_written()
+
+
+def test_dead_letter_table_with_wrong_columns_on_one_replica(job: Job) -> None:
+    table = f"{job.database}.bad_dead_letters"
+    for i, client in enumerate(job.clients):
+        raw = "" if i == 1 else ", raw String"
+        client.execute(f"CREATE TABLE {table} (`table` String, topic String, partition "
+                       f"UInt32, offset UInt64, error String{raw}, time DateTime) "
+                       "ENGINE = MergeTree() ORDER BY tuple()")
+    run = job.run(job.config(dead_letters=table))
+    refused(run, table, job.replicas[1], "no column raw String")
+    job.assert_nothing_written()
+
+
+def test_target_table_without_deduplication_is_refused_at_start(job: Job) -> None:
+    for client in job.clients:
+        client.execute(f"CREATE TABLE {job.database}.plain (id UInt64) "
+                       "ENGINE = MergeTree() ORDER BY id")
+    job.register("plain", "firstday.v1.Plain")
+    job.produce(5, table="plain", message="Plain")
+    run = job.run(job.config())
+    refused(run, f"table {job.database}.plain", "deduplicate", before_spark=False)
+    job.assert_nothing_written()
+    assert job.rows("plain") == 0
+
+
+def test_configuration_refused_exit_2(job: Job) -> None:
+    run = job.run(job.config(job="no_such_key = 1"))
+    refused(run, "no_such_key", code=2)
+    job.assert_nothing_written()
+
+
+# --------------------------------------------------------------------------- ba-schema, arv
+
+def _cli(command: Any, args: list[str]) -> tuple[int, str]:
+    res = CliRunner().invoke(command, args)
+    return res.exit_code, res.stderr
+
+
+def _one_line(text: str, *names: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line:\n{text}"
+    assert_no_trace(text)
+    for name in names:
+        assert name in lines[0], f"{name!r} not in {lines[0]}"
+    print(f"\n{lines[0]}")
+    return lines[0]
+
+
+def test_ba_schema_with_kafka_or_clickhouse_down(job: Job) -> None:
+    from blockagg.proto.cli import cli as ba_schema
+
+    register = ["register", f"{job.database}.orders", "--proto", str(job.proto_file),
+                "--message", "firstday.v1.Order"]
+    code, err = _cli(ba_schema, ["--bootstrap-servers", "127.0.0.1:1", "--clickhouse",
+                                 job.replicas[0], "--topic", job.schema_topic, *register])
+    assert code == 2
+    _one_line(err, "Kafka unreachable", "127.0.0.1:1", "--bootstrap-servers")
+    code, err = _cli(ba_schema, ["--bootstrap-servers", job.bootstrap, "--clickhouse",
+                                 "127.0.0.1:1", "--topic", job.schema_topic, *register])
+    assert code == 2
+    _one_line(err, "ClickHouse unreachable at 127.0.0.1:1", "--clickhouse")
+    code, err = _cli(ba_schema, ["--bootstrap-servers", job.bootstrap, "--clickhouse",
+                                 job.replicas[0], "--password", "wrong", "--topic",
+                                 job.schema_topic, *register])
+    assert code == 2
+    _one_line(err, "refused user 'default'", "--password")
+
+
+def test_ba_schema_help_names_the_environment_default() -> None:
+    from blockagg.proto.cli import cli as ba_schema
+
+    res = CliRunner().invoke(ba_schema, ["--help"])
+    assert "$BLOCKAGG_BOOTSTRAP_SERVERS" in " ".join(res.output.split())
+
+
+def test_arv_verify_one_line_errors_and_required_commits(job: Job) -> None:
+    from blockagg.verifier.cli import cli as arv
+
+    code, err = _cli(arv, ["verify", "--bootstrap-servers", "127.0.0.1:1", "--group",
+                           job.group, "--timeout", "5"])
+    assert code == 2
+    _one_line(err, "127.0.0.1:1", "--bootstrap-servers")
+    code, err = _cli(arv, ["verify", "--bootstrap-servers", job.bootstrap, "--group",
+                           f"{job.group}-misspelled"])
+    assert code == 2
+    assert f"no offset commit of group '{job.group}-misspelled'" in err
+    code, err = _cli(arv, ["audit", "--bootstrap-servers", job.bootstrap, "--group",
+                           job.group, "--topic", job.topic, "--clickhouse", "127.0.0.1:1",
+                           "--database", job.database])
+    assert code == 2
+    _one_line(err, "127.0.0.1:1", "--clickhouse")

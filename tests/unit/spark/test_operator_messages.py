@@ -1,0 +1,212 @@
+"""The operator-facing messages and stops, the pure parts: the one-line texts, the JSON
+configuration line, the librdkafka log routing, the dead-letter table's columns, and the
+stop logic of the driver (a batch that starts after a stop request runs in full; a
+second signal of one origin means now)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+from unittest.mock import MagicMock
+
+import pytest
+
+from blockagg.aggregator import logs
+from blockagg.aggregator.clickhouse.startup import (
+    DEAD_LETTER_TYPES,
+    ReplicaCheck,
+    dead_letter_problems,
+    server_message,
+)
+from blockagg.aggregator.config import loads
+from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.spark.driver import (
+    BatchSummary,
+    Driver,
+    refusal_reasons,
+    root_cause,
+    short_error,
+)
+from blockagg.spark.job import plain
+
+CONFIG = """
+[job]
+checkpoint_location = "/tmp/ck"
+[kafka]
+"bootstrap.servers" = "x:1"
+"sasl.password" = "kafka-secret"
+[[topics]]
+name = "t"
+replicas = ["ch:9000"]
+[clickhouse]
+password = "ch-secret"
+"""
+
+
+def test_configuration_line_is_json_all_the_way_down_with_secrets_masked() -> None:
+    config = loads(CONFIG)
+    text = json.dumps(plain(config.summary()))
+    parsed = json.loads(text)
+    assert parsed["job"]["checkpoint_location"] == "/tmp/ck"
+    assert parsed["topics"][0]["replicas"] == ["ch:9000"]
+    assert parsed["clickhouse"]["password"] == "***"
+    assert parsed["kafka"]["common"]["sasl.password"] == "***"
+    assert "secret" not in text and "ClickHouseConfig(" not in text
+
+
+def test_server_stack_trace_is_cut_off() -> None:
+    message = ("Code: 193.\nDB::Exception: Wrong password for user default. Stack trace:\n\n"
+               "0. /usr/lib/libclickhouse.so.18(StackTrace::StackTrace()+0x16) [0x7f]\n"
+               "1. /usr/lib/libclickhouse.so.18(DB::Exception::Exception()+0x2f) [0x7f]\n")
+    assert server_message(Exception(message)) == (
+        "Code: 193. DB::Exception: Wrong password for user default")
+
+
+def test_short_error_keeps_the_first_line_of_a_java_trace() -> None:
+    exc = RuntimeError("An error occurred while calling o42.awaitTermination.\n"
+                       ": org.apache.spark.SparkException: boom\n\tat org.apache.X(X.java:1)\n")
+    assert short_error(exc) == ("An error occurred while calling o42.awaitTermination. : "
+                                "org.apache.spark.SparkException: boom")
+
+
+ERROR_LINE = ("blockagg.aggregator.clickhouse.exceptions.InsertFailed: insert into db.dl failed "
+              "after 1 attempt(s) (code 60): DB::Exception: Table db.dl doesn't exist.. Stack "
+              "trace:")
+SPARK_WRAPPED = f"""An error occurred while calling o97.collectToPython.
+: org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 1.0 failed
+org.apache.spark.api.python.PythonException: Traceback (most recent call last):
+  File "/x/blockagg/spark/task.py", line 407, in run_arrow_partition
+    report = run_range(ctx, records.tp, records.offsets, records.values,
+  File "/x/blockagg/aggregator/clickhouse/writer.py", line 555, in _with_retries
+    raise InsertFailed(what, last_code, last_message, attempt) from exc
+{ERROR_LINE}
+
+0. /lib/x86_64-linux-gnu/libclickhouse.so.18.16(StackTrace::StackTrace()+0x16) [0x7f9]
+\tat org.apache.spark.api.python.BasePythonRunner$ReaderIterator.handlePythonException(X:581)
+"""
+
+
+def test_root_cause_is_the_innermost_blockagg_error_on_one_line() -> None:
+    assert root_cause(RuntimeError(SPARK_WRAPPED)) == (
+        "InsertFailed: insert into db.dl failed after 1 attempt(s) (code 60): "
+        "DB::Exception: Table db.dl doesn't exist.")
+    assert root_cause(ValueError("plain")) == "ValueError: plain"
+
+
+def test_a_batch_cancelled_by_the_stop_is_not_a_failure() -> None:
+    from blockagg.spark.driver import _cancelled
+
+    assert _cancelled(RuntimeError("Job 7 cancelled part of cancelled job group 1c"))
+    assert not _cancelled(RuntimeError("InsertFailed: insert into db.t failed"))
+
+
+def test_refusal_reasons_name_the_protocol_refusal() -> None:
+    text = "PythonException: blockagg.aggregator.core.exceptions.OffsetGap: t[0] gap"
+    assert refusal_reasons(text) == ["gap"]
+    assert refusal_reasons("ConnectionRefusedError") == []
+
+
+def test_dead_letter_columns() -> None:
+    assert dead_letter_problems(DEAD_LETTER_TYPES) == []
+    lowcard = {**DEAD_LETTER_TYPES, "topic": "LowCardinality(String)"}
+    assert dead_letter_problems(lowcard) == []
+    broken = {k: v for k, v in DEAD_LETTER_TYPES.items() if k != "raw"}
+    broken["offset"] = "UInt32"
+    assert dead_letter_problems(broken) == [
+        "column offset is UInt32, expected UInt64", "no column raw String"]
+
+
+class _Refusing:
+    def execute(self, sql: str, params: Any = None) -> Any:
+        from clickhouse_driver.errors import ServerException
+
+        raise ServerException("DB::Exception: Wrong password for user default. Stack "
+                              "trace:\n0. /lib/libclickhouse.so", 193)
+
+    def disconnect(self) -> None:
+        pass
+
+
+def test_a_refused_user_is_one_line_naming_user_and_replica() -> None:
+    check = ReplicaCheck("ch1", 9000, "default", _Refusing)
+    with pytest.raises(BlockaggError) as caught:
+        check.version()
+    text = str(caught.value)
+    assert "ch1:9000" in text and "'default'" in text and "code 193" in text
+    assert "\n" not in text and ".so" not in text
+
+
+def _record(level: int, fac: str, msg: str) -> logging.LogRecord:
+    return logging.LogRecord("blockagg.librdkafka", level, __file__, 1, "%s [%s] %s",
+                             (fac, "rdkafka#consumer-1", msg), None)
+
+
+def test_librdkafka_lines_are_rate_limited_per_kind() -> None:
+    now = [0.0]
+    limit = logs.RateLimit(interval=30, clock=lambda: now[0])
+    line = "127.0.0.1:1/bootstrap: Connect to ipv4#127.0.0.1:1 failed: Connection refused"
+    assert limit.filter(_record(logging.ERROR, "FAIL", line))
+    for _ in range(99):
+        now[0] += 0.1
+        assert not limit.filter(_record(logging.ERROR, "FAIL", line.replace(":1", ":2")))
+    assert limit.filter(_record(logging.WARNING, "OTHER", "something else"))
+    now[0] += 30
+    passed = _record(logging.ERROR, "FAIL", line)
+    assert limit.filter(passed)
+    assert passed.getMessage().endswith("(and 99 more like it)")
+
+
+def test_retried_connect_failures_are_info() -> None:
+    logger = logging.getLogger("blockagg.test-librdkafka")
+    logger.setLevel(logging.WARNING)
+    retried = logs.RetriedAsInfo(logger)
+    fail = _record(logging.ERROR, "FAIL", "Connect failed")
+    assert not retried.filter(fail)
+    assert fail.levelno == logging.INFO
+    assert retried.filter(_record(logging.ERROR, "AUTH", "SASL authentication failed"))
+    logger.setLevel(logging.INFO)
+    assert retried.filter(_record(logging.ERROR, "FAIL", "Connect failed"))
+
+
+def test_kafka_client_config_routes_the_log() -> None:
+    conf = logs.kafka_client_config({"bootstrap.servers": "x:1"})
+    assert conf["logger"] is logging.getLogger("blockagg.librdkafka")
+    assert conf["bootstrap.servers"] == "x:1"
+
+
+def _driver() -> Driver:
+    return Driver(loads(CONFIG), MagicMock(), components=MagicMock(), run_id=1)
+
+
+def test_a_batch_after_a_stop_request_runs_in_full() -> None:
+    d = _driver()
+    d.request_stop("SIGTERM")
+    d._planned = MagicMock(return_value={})  # type: ignore[method-assign]
+    d.run_ranges = MagicMock(  # type: ignore[method-assign]
+        side_effect=lambda df, ranges, batch_id: BatchSummary(batch_id))
+    d.on_batch(MagicMock(), 7)  # no GracefulStop: Spark would log a trace for it
+    assert [b.batch_id for b in d.batches] == [7]
+    assert not d._in_batch
+
+
+def test_one_signal_per_process_asks_a_second_one_of_the_same_process_exits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr("os._exit", exits.append)
+    d = _driver()
+    d.query = MagicMock()
+    d.on_signal("SIGINT", "python")  # Ctrl-C reaches both processes
+    d.on_signal("SIGINT", "jvm")
+    assert d._stop_requested.is_set() and exits == []
+    d.on_signal("SIGINT", "jvm")
+    assert exits == [130]
+
+
+def test_a_signal_before_the_query_stops_at_once_with_exit_0(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    exits: list[int] = []
+    monkeypatch.setattr("os._exit", exits.append)
+    d = _driver()
+    d.on_signal("SIGTERM", "jvm")
+    assert exits == [0]
