@@ -693,11 +693,15 @@ def _cancelled(exc: BaseException) -> bool:
 
 
 def root_cause(exc: BaseException) -> str:
-    """One line for a failed batch or query: the innermost Python error raised in a
-    task or in ``foreachBatch`` (Spark wraps it in Java and Python traces), else
-    :func:`short_error`; the server's stack trace cut off."""
+    """One line for a failed batch or query: the blockagg error a task or
+    ``foreachBatch`` raised last (:func:`refusal_in`; Spark wraps it in Java and Python
+    traces), else the innermost Python error, else :func:`short_error`; the server's
+    stack trace cut off."""
     log.debug("error details", exc_info=exc)
     text = str(getattr(exc, "desc", None) or exc)
+    refusal = refusal_in(text)
+    if refusal is not None:
+        return " ".join(re.split(r"\.?\s*Stack trace:", refusal)[0].split())[:2000]
     frames = [m for m in _PYTHON_ERROR.finditer(text)
               if not m.group(1).endswith(("Exception", "Warning")) or "blockagg" in m.group(0)]
     if "Traceback (most recent call last)" in text and frames:

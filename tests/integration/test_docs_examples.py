@@ -120,8 +120,9 @@ table = "{shop}.dead_letters"
 [metrics]
 port = 0
 """)
-    [submit] = [c for b in fenced_blocks(RUNNING_MD, "sh") for c in shell_commands(b)
-                if c.startswith("spark-submit")]
+    # The first spark-submit of running.md is the run itself (later ones add flags to it).
+    submit = next(c for b in fenced_blocks(RUNNING_MD, "sh") for c in shell_commands(b)
+                  if c.startswith("spark-submit"))
     submit = submit.replace("--config blockagg.toml", f"--config {config}")
     submit = submit.replace("--conf spark.speculation=false",
                             "--conf spark.speculation=false --conf spark.ui.enabled=false")

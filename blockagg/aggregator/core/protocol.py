@@ -160,7 +160,18 @@ def batch_pins(topic: str, partition: int, committed: Committed | None, current:
     :class:`TopicIncarnationChanged` when the last commit names another incarnation
     of the topic than ``current``.
     """
-    return _pins_for(f"{topic}[{partition}]", read_committed(committed), current)
+    return _pins_for(f"{topic}[{partition}]", _read_partition(topic, partition, committed),
+                     current)
+
+
+def _read_partition(topic: str, partition: int, committed: Committed | None) -> Resumption:
+    """:func:`read_committed`, an undecodable commit refused naming the partition."""
+    try:
+        return read_committed(committed)
+    except MetadataDecodeError as exc:
+        assert committed is not None
+        raise MetadataDecodeError(undecodable_commit(
+            topic, partition, committed.offset, exc)) from None
 
 
 def _pins_for(where: str, resumption: Resumption, current: Pins) -> Pins:
@@ -413,12 +424,7 @@ def plan_batch(
     :class:`MetadataTooLarge` before any operation exists, so a refused batch leaves
     Kafka and ClickHouse untouched.
     """
-    try:
-        resumption = read_committed(committed)
-    except MetadataDecodeError as exc:
-        assert committed is not None
-        raise MetadataDecodeError(undecodable_commit(
-            batch.topic, batch.partition, committed.offset, exc)) from None
+    resumption = _read_partition(batch.topic, batch.partition, committed)
     expected = _pins_for(f"{batch.topic}[{batch.partition}]", resumption, batch.pins)
     if expected != batch.pins:
         raise PinsMismatch(
