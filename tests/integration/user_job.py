@@ -15,7 +15,6 @@ import re
 import shlex
 import signal
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.integration.conftest import replicated_engine
+from tests.integration.test_job_clickhouse import Running as ChRunning
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_PY = REPO / "blockagg" / "spark" / "job.py"
@@ -277,23 +277,10 @@ port = 0
             assert (count, unique) == (len(self.produced_ids), len(self.produced_ids))
 
 
-class Running:
-    """A job started with :meth:`Job.start`; its output collected in a thread."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.proc = proc
-        self._lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.append(line)
-
-    @property
-    def output(self) -> str:
-        return "".join(self._lines)
+class Running(ChRunning):
+    """A job started with :meth:`Job.start` (``spark-submit``, in its own session); its
+    output collected by the base class's thread. Adds what an operator does to it:
+    signals to the JVM, Ctrl-C to the process group."""
 
     def wait_for(self, predicate: Callable[[str], bool], what: str,
                  timeout: float = 240) -> None:
@@ -329,8 +316,3 @@ class Running:
             raise AssertionError(f"no exit within {timeout}s:\n{self.output[-6000:]}") from None
         self._reader.join(5)
         return code
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
