@@ -123,7 +123,14 @@ def setup(level: str | int | None = None, fmt: str | None = None) -> None:
     # clickhouse-driver warns with a traceback at each failed connect; blockagg's own
     # line says which replica and what to change
     logging.getLogger("clickhouse_driver").setLevel(logging.ERROR)
+    # py4j logs the whole Python and Java trace of every exception a foreachBatch
+    # callback raises; the driver logs the batch's failure as one line
+    logging.getLogger("py4j.clientserver").addFilter(_only_at_debug)
     _configured = True
+
+
+def _only_at_debug(record: logging.LogRecord) -> bool:
+    return logging.getLogger().getEffectiveLevel() <= logging.DEBUG
 
 
 class RateLimit(logging.Filter):

@@ -687,9 +687,12 @@ _PYTHON_ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*): (.+)$", re.M)
 
 
 def _cancelled(exc: BaseException) -> bool:
-    """Whether a query's error is the cancellation of its running jobs by ``stop()``."""
+    """Whether a query's error is the cancellation of its running jobs by ``stop()``:
+    Spark cancels the job group and interrupts the batch's thread, which surfaces as a
+    cancelled job, an ``InterruptedException`` or, inside a blocking read (the offset
+    log, a socket), a ``ClosedByInterruptException``."""
     text = str(getattr(exc, "desc", None) or exc)
-    return re.search(r"cancel|InterruptedException|interrupted", text, re.I) is not None
+    return re.search(r"cancel|interrupt", text, re.I) is not None
 
 
 def root_cause(exc: BaseException) -> str:

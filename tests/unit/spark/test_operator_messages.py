@@ -98,6 +98,9 @@ def test_a_batch_cancelled_by_the_stop_is_not_a_failure() -> None:
     from blockagg.spark.driver import _cancelled
 
     assert _cancelled(RuntimeError("Job 7 cancelled part of cancelled job group 1c"))
+    assert _cancelled(RuntimeError(
+        "An error occurred while calling z:org.apache.commons.io.IOUtils.toString. : "
+        "java.nio.channels.ClosedByInterruptException"))
     assert not _cancelled(RuntimeError("InsertFailed: insert into db.t failed"))
 
 
@@ -210,3 +213,22 @@ def test_a_signal_before_the_query_stops_at_once_with_exit_0(
     d = _driver()
     d.on_signal("SIGTERM", "jvm")
     assert exits == [0]
+
+
+def test_py4j_callback_traces_only_at_debug() -> None:
+    """py4j logs each exception a foreachBatch raises with its Python and Java traces;
+    the driver's one line says it, so py4j's record passes only at DEBUG."""
+    logs.setup()
+    record = logging.LogRecord("py4j.clientserver", logging.ERROR, __file__, 1,
+                               "There was an exception while executing the Python Proxy",
+                               None, None)
+    callback_log = logging.getLogger("py4j.clientserver")
+    root = logging.getLogger()
+    before = root.level
+    try:
+        root.setLevel(logging.INFO)
+        assert not callback_log.filter(record)
+        root.setLevel(logging.DEBUG)
+        assert callback_log.filter(record)
+    finally:
+        root.setLevel(before)
