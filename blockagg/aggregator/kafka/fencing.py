@@ -35,6 +35,7 @@ from typing import Any, Final, Protocol
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.kafka.exceptions import (
     AttemptFenced,
@@ -42,6 +43,8 @@ from blockagg.aggregator.kafka.exceptions import (
     OffsetMetadataTooLarge,
 )
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore, _error_of, _is_retriable
+
+log = logs.get("metadata")
 
 FENCED_CODES: Final = frozenset(
     {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
@@ -165,6 +168,9 @@ class FencedAttempt:
         position = [TopicPartition(topic, partition, offset, metadata=metadata)]
         group = self.store.group_metadata()
         delay = self._backoff
+        wait = logs.SlowWait(log, f"the commit of offset {offset} of {self._where} (Kafka "
+                                  "does not answer the transaction)",
+                              clock=self.store.clock)
         for tries in range(self._retries + 1):
             try:
                 self._producer.begin_transaction()
@@ -193,6 +199,7 @@ class FencedAttempt:
                         f"of {self.transactional_id!r}: {exc}. The commit may or may not have "
                         "been applied; the batch is safe to run again."
                     ) from exc
+                wait.note(attempt=tries + 1, attempts=self._retries + 1, error=str(exc))
                 self._abort_quietly()
                 self._sleep(delay)
                 delay = min(delay * 2, 5.0)

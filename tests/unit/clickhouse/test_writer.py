@@ -3,7 +3,7 @@ non-retriable errors, coordinates, dead letters, and the startup dedup check."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -222,7 +222,7 @@ QUORUM_286 = ("Quorum for previous write has not been satisfied yet. Status: ver
 class ReplicaViewClient(FakeClient):
     """Answers system.replicas / system.replication_queue per replica."""
 
-    VIEWS: dict[str, tuple[list[Any], list[Any]]] = {
+    VIEWS: ClassVar[dict[str, tuple[list[Any], list[Any]]]] = {
         "a": ([("r1", 0, 0, 0, 0)], []),
         "b": ([("r2", 0, 0, 3, 125)],
               [("GET_PART", 14, "Code: 341, e.displayText() = DB::Exception: Metadata on "
