@@ -632,6 +632,7 @@ class ClickHouseBlockWriter:
         delay = self.config.backoff_initial_s
         last_code: int | None = None
         last_message = ""
+        quorum: tuple[int | None, str] | None = None  # the last quorum refusal
         for attempt in range(1, self.config.max_attempts + 1):
             replica = self._current_replica()
             try:
@@ -648,6 +649,8 @@ class ClickHouseBlockWriter:
                 last_code, last_message = code, str(exc)
                 if code not in RETRIABLE_CODES:
                     raise InsertFailed(what, code, last_message, attempt) from exc
+            if is_quorum_failure(last_code, last_message):
+                quorum = (last_code, last_message)
             log.warning("%s on %s:%d failed (attempt %d/%d): %s; retrying %s", what,
                         replica.host, replica.port, attempt, self.config.max_attempts,
                         last_message.split("Stack trace:")[0].strip(),
@@ -658,10 +661,10 @@ class ClickHouseBlockWriter:
                 self._sleep(min(delay, self.config.backoff_max_s) * random.uniform(0.8, 1.2))
                 delay *= 2
         attempts = self.config.max_attempts
-        if (what != "(query)" and self.config.insert_quorum
-                and is_quorum_failure(last_code, last_message)):
-            raise QuorumUnsatisfied(what, last_code, last_message, attempts, quorum_error(
-                what, self.config.insert_quorum, last_code, last_message, attempts,
+        if what != "(query)" and self.config.insert_quorum and quorum is not None:
+            code, message = quorum
+            raise QuorumUnsatisfied(what, code, message, attempts, quorum_error(
+                what, self.config.insert_quorum, code, message, attempts,
                 self.replica_states(what)))
         raise InsertFailed(what, last_code, last_message, attempts)
 
