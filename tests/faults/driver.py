@@ -62,7 +62,9 @@ _HOOK_STEP = {"task_after_commit": "after_commit", "task_after_insert": "after_i
               "task_between_blocks": "between_blocks", "commit_fails": "commit_fails"}
 
 
-_BATCH_LINE = re.compile(r"^(\d\d:\d\d:\d\d) INFO +blockagg\.job: batch kind=", re.M)
+_BATCH_LINE = re.compile(r"(\d\d:\d\d:\d\d) INFO +blockagg\.job: batch kind=")
+"""A batch line; often after Spark's progress bar on the same line (``[Stage 0:===> (3 + 1)
+/ 4]`` then spaces: the bar is overwritten with a carriage return, not a newline)."""
 _STAGE = re.compile(r"\[Stage \d+:[=> ]*\((\d+) \+ (\d+)\) / (\d+)\]")
 
 

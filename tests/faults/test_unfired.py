@@ -72,7 +72,8 @@ LOG_BEFORE = """
 LOG_STUCK = ("[Stage 0:>          (0 + 2) / 4][Stage 0:=====>     (1 + 2) / 4]"
              "[Stage 0:==========>          (3 + 1) / 4]")
 LOG_BATCHES = """
-04:52:33 INFO    blockagg.job: batch kind="recovery" batch=0 run="3745" partitions=1
+[Stage 0:>          (0 + 1) / 1]                04:52:33 INFO    blockagg.job: batch \
+kind="recovery" batch=0 run="3745" partitions=1
 04:52:43 INFO    blockagg.job: batch kind="stream" batch=0 run="3745" partitions=4
 """
 
