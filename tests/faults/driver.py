@@ -72,37 +72,41 @@ _STAGE = re.compile(r"\[Stage \d+:[=> ]*\((\d+) \+ (\d+)\) / (\d+)\]")
 class Progress:
     """What the job did over a window, read from its log (``BLOCKAGG_LOG_FORMAT=text``):
     the batches it completed, the time of the last one before or in the window, its
-    (re)starts, and Spark's last stage progress line (tasks done + running / total)."""
+    (re)starts, and, when a batch was still running at the end (Spark's last stage
+    progress bar comes after the last batch line), that stage's tasks (done + running /
+    total)."""
 
     batches: int
     last_batch: str | None
     starts: int
     alive: bool
-    stage: str | None
+    running_stage: str | None
 
     @classmethod
     def of(cls, before: str, after: str, alive: bool) -> Progress:
         batches = _BATCH_LINE.findall(after)
         last = batches[-1] if batches else (_BATCH_LINE.findall(before) or [None])[-1]
-        stages = _STAGE.findall(after)
-        stage = "{} + {} / {}".format(*stages[-1]) if stages else None
+        text = before + after
+        last_batch_end = max((m.end() for m in _BATCH_LINE.finditer(text)), default=-1)
+        stages = [m for m in _STAGE.finditer(text) if m.start() > last_batch_end]
+        stage = "{} + {} / {}".format(*stages[-1].groups()) if stages else None
         return cls(len(batches), last, after.count("===== start "), alive, stage)
 
     def why_unfired(self, step: str, window_s: float) -> str:
-        """Why a hook armed for ``window_s`` never reached ``step``: the pipeline made
-        no progress (and what it was doing), or it did and no batch took that step."""
-        if not self.batches:
-            where = (f"the job was restarted {self.starts} time(s)" if self.starts else
-                     "the job was not running" if not self.alive else
-                     f"a batch was in progress, its stage at {self.stage} tasks "
-                     "(done + running / total): a task held it" if self.stage else
-                     "no batch started")
-            return (f"no batch completed in the {window_s:.0f} s window ({where}; last "
-                    f"batch at {self.last_batch or 'never'}): the pipeline was stuck or "
-                    f"down, so no task reached {step}")
-        return (f"{self.batches} batch(es) completed in the {window_s:.0f} s window (last at "
-                f"{self.last_batch}) but no task reached {step}: a bug in the hook or "
-                "batches without that step")
+        """Why a hook armed for ``window_s`` never reached ``step``: the pipeline was
+        stuck (a batch in progress that never completed), down, restarted, or idle (no
+        new messages), or batches ran and none took that step."""
+        if self.batches:
+            return (f"{self.batches} batch(es) completed in the {window_s:.0f} s window "
+                    f"(last at {self.last_batch}) but no task reached {step}: a bug in the "
+                    "hook or batches without that step")
+        where = (f"the job was restarted {self.starts} time(s)" if self.starts else
+                 "the job was not running" if not self.alive else
+                 f"STUCK: a batch was in progress, its stage at {self.running_stage} tasks "
+                 "(done + running / total), and a task held it" if self.running_stage else
+                 "idle: no new messages reached the job")
+        return (f"no batch completed in the {window_s:.0f} s window ({where}; last batch at "
+                f"{self.last_batch or 'never'}), so no task reached {step}")
 
 
 @dataclass
@@ -311,23 +315,20 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
 
 
 HOOK_WINDOW_S = 120.0
-"""How long an armed task hook may take to fire, once the pipeline is live."""
+"""How long an armed task hook may take to fire (the fault's messages are produced
+meanwhile, so batches run)."""
 STALL_WINDOW_S = 180.0
-LIVE_WAIT_S = 120.0
-"""How long a hook fault waits for the pipeline to complete a batch before arming."""
 
 
 def armed_fault(job: Job, step: str, fired: Any, window_s: float) -> dict[str, Any]:
-    """Arm the task hook ``step`` once the pipeline is live (a batch completed since the
-    fault began, so a window is not spent on a restart or an outage of another fault),
-    wait up to ``window_s`` for ``fired()``, disarm. A hook that fired between the end of
-    the wait and the disarm counts as fired (else a stalled worker would be left stopped).
-    A fault that did not fire says why in ``unfired`` (:meth:`Progress.why_unfired`)."""
-    mark = job.log_mark()
-    if not _wait(lambda: job.progress(mark).batches > 0, LIVE_WAIT_S):
-        progress = job.progress(mark)
-        return {"fired": False, "unfired": "not armed: " + progress.why_unfired(
-            "the hook", LIVE_WAIT_S)}
+    """Arm the task hook ``step``, wait up to ``window_s`` for ``fired()``, disarm. A
+    hook claimed between the end of the wait and the disarm counts as fired (else a
+    stalled worker would be left stopped). A fault that did not fire says why in
+    ``unfired`` (:meth:`Progress.why_unfired`, from the job's log over the window).
+
+    Armed at once, not after waiting for a batch: the fault's own messages are being
+    produced now, and a batch that consumed them before the arming would leave the
+    window without one (with no other fault producing, the pipeline is then idle)."""
     mark = job.log_mark()
     job.arm(step)
     _wait(fired, window_s)

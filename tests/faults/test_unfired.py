@@ -78,13 +78,21 @@ kind="recovery" batch=0 run="3745" partitions=1
 """
 
 
-def test_progress_reads_batches_restarts_and_the_stuck_stage() -> None:
+def test_progress_tells_a_stuck_batch_from_an_idle_pipeline() -> None:
     stuck = driver.Progress.of(LOG_BEFORE, LOG_STUCK, alive=True)
-    assert (stuck.batches, stuck.last_batch, stuck.starts, stuck.stage) == (
+    assert (stuck.batches, stuck.last_batch, stuck.starts, stuck.running_stage) == (
         0, "04:32:00", 0, "3 + 1 / 4")
     why = stuck.why_unfired("stall_after_commit", 180)
-    assert "no batch completed in the 180 s window" in why
-    assert "stage at 3 + 1 / 4" in why and "last batch at 04:32:00" in why
+    assert why.startswith("no batch completed in the 180 s window (STUCK: a batch was in "
+                          "progress, its stage at 3 + 1 / 4 tasks")
+    assert "last batch at 04:32:00" in why
+    # Later windows of the same stuck batch log nothing at all: still stuck.
+    later = driver.Progress.of(LOG_BEFORE + LOG_STUCK, "", alive=True)
+    assert later.running_stage == "3 + 1 / 4"
+    idle = driver.Progress.of(LOG_BEFORE + LOG_STUCK + LOG_BATCHES, "", alive=True)
+    assert idle.running_stage is None
+    assert "(idle: no new messages reached the job; last batch at 04:52:43)" in (
+        idle.why_unfired("commit_fails", 120))
     moving = driver.Progress.of(LOG_BEFORE, "===== start 11 04:52:11 =====\n" + LOG_BATCHES,
                                 alive=True)
     assert (moving.batches, moving.last_batch, moving.starts) == (2, "04:52:43", 1)
@@ -97,15 +105,13 @@ class _Job:
 
     hook_dir: Path
     grows: str
-    """What the job logs after each :meth:`log_mark`."""
+    """What the job logs once the hook is armed."""
     on_arm: Any = None
     log_text: str = LOG_BEFORE
     armed: list[str] = field(default_factory=list)
 
     def log_mark(self) -> int:
-        mark = len(self.log_text)
-        self.log_text += self.grows
-        return mark
+        return len(self.log_text)
 
     def progress(self, mark: int) -> driver.Progress:
         return driver.Progress.of(self.log_text[:mark], self.log_text[mark:], True)
@@ -113,31 +119,27 @@ class _Job:
     def arm(self, step: str) -> None:
         hooks.arm(self.hook_dir, step)
         self.armed.append(step)
+        self.log_text += self.grows
         if self.on_arm:
             self.on_arm()
 
 
 @pytest.fixture
-def short_windows(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(driver, "LIVE_WAIT_S", 0.2)
-    monkeypatch.setattr(driver, "_wait", _no_sleep_wait)
+def no_waiting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(driver, "_wait", lambda cond, timeout, poll=0.5: bool(cond()))
 
 
-def _no_sleep_wait(cond: Any, timeout: float, poll: float = 0.5) -> bool:
-    return bool(cond())
-
-
-def test_a_hook_is_not_armed_while_the_pipeline_is_stuck(tmp_path: Path,
-                                                          short_windows: None) -> None:
+def test_a_hook_that_never_fires_says_the_pipeline_was_stuck(tmp_path: Path,
+                                                             no_waiting: None) -> None:
     job = _Job(tmp_path, LOG_STUCK)
     info = driver.armed_fault(job, "after_insert",  # type: ignore[arg-type]
                               lambda: hooks.fired(tmp_path) >= 1, 120)
-    assert info["fired"] is False and job.armed == []
-    assert info["unfired"].startswith("not armed: no batch completed")
+    assert job.armed == ["after_insert"] and info["fired"] is False
+    assert info["unfired"].startswith("no batch completed in the 120 s window (STUCK")
 
 
 def test_a_hook_that_fires_after_the_window_counts_as_fired(tmp_path: Path,
-                                                           short_windows: None) -> None:
+                                                           no_waiting: None) -> None:
     """Claimed as the wait ended, before the disarm: fired, so the driver goes on to
     resume the stalled worker instead of leaving it stopped."""
     job = _Job(tmp_path, LOG_BATCHES, on_arm=lambda: hooks.Plan(tmp_path).claim())
