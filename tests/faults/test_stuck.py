@@ -1,14 +1,17 @@
 """Waits that used to be silent and unbounded, against the real stack: a task stuck in its
-Python worker (SIGSTOP) fails its batch after ``job.batch_timeout`` with one line, and a
-quorum that a replica can't help reach ends the block's retries with one line naming
-that replica (docs/running.md, *When a batch does not finish*, *When a replica does not
-catch up*)."""
+Python worker (SIGSTOP) fails its batch after ``job.batch_timeout`` with one line; a
+transactional commit that librdkafka leaves hanging after a broker restart ends the
+attempt; and a quorum that a replica can't help reach ends the block's retries with one
+line naming that replica (docs/running.md, *When a batch does not finish*, *When a
+replica does not catch up*)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +23,8 @@ from blockagg.aggregator.clickhouse.exceptions import QuorumUnsatisfied
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
 from blockagg.aggregator.core.model import Batch, Block, block_token
+from blockagg.aggregator.kafka.exceptions import MetadataCommitError
+from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
 from tests.faults import driver, hooks
 from tests.faults.stack import StackControl
 from tests.faults.workload import Workload
@@ -94,3 +99,51 @@ def test_a_replica_that_cannot_help_reach_the_quorum_is_named(
     assert f"replica at 127.0.0.1:{r2} did not answer" in text, text
     assert f"replica r1 at 127.0.0.1:{r1}" in text, text
     assert "The replica that does not catch up: 127.0.0.1:" in text, text
+
+
+def test_a_commit_left_hanging_by_a_broker_restart_ends_the_attempt(
+        workload: Workload, stack: StackControl) -> None:
+    """librdkafka 2.16: a transaction sent before a broker kill -9 and committed after its
+    restart leaves the producer so that the next ``send_offsets_to_transaction`` waits on
+    a condition variable for good, whatever its timeout (py-spy: ``cnd_wait`` in
+    ``rd_kafka_txn_op_req0``; the 30-fault run's task held its batch this way). The
+    attempt's commit must end, with the call named, and a new attempt must commit."""
+    from confluent_kafka import TopicPartition
+
+    topic = workload.topic
+    store = KafkaMetadataStore({"bootstrap.servers": stack.bootstrap,
+                                "group.id": f"{workload.group}-hang"}, timeout=5)
+    attempt = store.attempt(topic, 0)
+    attempt._hang_after = 10.0  # the store's 5 s timeout + 5 s
+    attempt.commit(topic, 0, 1, "hang-test-1")
+    producer = attempt._producer
+    producer.begin_transaction()
+    producer.send_offsets_to_transaction(
+        [TopicPartition(topic, 0, 2, metadata="hang-test-2")], store.group_metadata(), 30)
+    stack.kill9("kafka")
+    time.sleep(2)
+    stack.up()
+    producer.commit_transaction(60)
+    outcome: list[BaseException | None] = []
+
+    def commit() -> None:
+        try:
+            attempt.commit(topic, 0, 3, "hang-test-3")
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=commit, daemon=True)
+    worker.start()
+    worker.join(120)
+    assert outcome, "the attempt's commit never returned"
+    if outcome[0] is not None:  # the hang (a librdkafka without it just commits)
+        assert isinstance(outcome[0], MetadataCommitError), outcome[0]
+        assert "did not return within 10s although given 5s" in str(outcome[0])
+    attempt.close()
+    newer = store.attempt(topic, 0)
+    newer.commit(topic, 0, 4, "hang-test-4")
+    newer.close()
+    committed = store.committed(topic, 0)
+    assert committed is not None and committed.offset == 4
+    store.close()
