@@ -48,20 +48,20 @@ def test_a_task_stuck_in_its_worker_fails_the_batch_after_batch_timeout(
     ``job.batch_timeout`` and exits 1 with one line naming the batch and its progress."""
     job = driver.Job(workload, stack, tmp_path)
     job.config.write_text(job.config.read_text().replace(
-        "[job]\n", '[job]\nbatch_timeout = "15s"\n', 1))
+        "[job]\n", '[job]\nbatch_timeout = "20s"\n', 1))
     workload.produce(200)
     job.arm("stall_after_commit")
     job.start()
     try:
+        assert driver._wait(lambda: bool(hooks.stalled(job.hook_dir)), 180), job.tail()
         assert job.proc is not None
-        assert job.proc.wait(240) == 1, job.tail()
+        assert job.proc.wait(300) == 1, job.tail()
         log = job.log.read_text(errors="replace")
-        (record,) = hooks.stalled(job.hook_dir)
         assert "batch timeout: cancelling it" in log, job.tail()
         failed = [line for line in log.splitlines() if "query failed" in line]
         assert failed, job.tail()
         assert "BatchTimedOut: batch " in failed[-1]
-        assert "did not finish within job.batch_timeout (15s)" in failed[-1]
+        assert "did not finish within job.batch_timeout (20s)" in failed[-1]
         assert "tasks done" in failed[-1]  # Spark's progress of the stuck stage
     finally:
         for record in hooks.stalled(job.hook_dir):
