@@ -263,6 +263,7 @@ class JobConfig:
     lock_timeout: float = 60.0
     lock_session_timeout: float = 10.0
     stop_timeout: float = 300.0
+    batch_timeout: float = 1800.0
     handover: Literal["arrow", "rows"] = "arrow"
     dead_letter_missing_blocks: tuple[MissingBlock, ...] = ()
     idle_commit_interval: float = 3600.0
@@ -784,6 +785,7 @@ def from_dict(
         lock_timeout=job_t.take("lock_timeout", _duration, 60.0),
         lock_session_timeout=job_t.take("lock_session_timeout", _duration, 10.0),
         stop_timeout=job_t.take("stop_timeout", _duration, 300.0),
+        batch_timeout=job_t.take("batch_timeout", _duration, 1800.0),
         handover=job_t.take("handover", _handover, "arrow"),
         dead_letter_missing_blocks=job_t.take("dead_letter_missing_blocks", _missing_blocks,
                                               ()),

@@ -133,6 +133,43 @@ def _only_at_debug(record: logging.LogRecord) -> bool:
     return logging.getLogger().getEffectiveLevel() <= logging.DEBUG
 
 
+def setup_worker() -> None:
+    """In a Spark Python worker (a task): the same handler and format as the driver,
+    from ``BLOCKAGG_LOG_FORMAT`` / ``BLOCKAGG_LOG_LEVEL``, so a task's WARN lines carry
+    their time and logger instead of Python's bare last-resort message. A process set
+    up already keeps its setup and level (the driver runs empty ranges itself)."""
+    if not _configured:
+        setup()
+
+
+class SlowWait:
+    """WARN lines for a wait made of retries: none before ``after`` seconds (a blip is
+    not news), then at most one per ``every`` seconds, each saying what is awaited, for
+    how long so far and the last error, so a task that waits is never silent."""
+
+    def __init__(self, logger: logging.Logger, what: str, after: float = 2.0,
+                 every: float = 10.0, clock: Any = time.monotonic) -> None:
+        self._logger = logger
+        self.what = what
+        self._after = after
+        self._every = every
+        self._clock = clock
+        self._started = clock()
+        self._last: float | None = None
+
+    def note(self, **fields: Any) -> bool:
+        """One more failed try; returns whether a line was logged."""
+        now = self._clock()
+        if now - self._started < self._after:
+            return False
+        if self._last is not None and now - self._last < self._every:
+            return False
+        self._last = now
+        event(self._logger, f"still waiting for {self.what}", level=logging.WARNING,
+              seconds=round(now - self._started, 1), **fields)
+        return True
+
+
 class RateLimit(logging.Filter):
     """Let one line of each kind through per ``interval`` seconds.
 

@@ -57,7 +57,7 @@ from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.core.protocol import undecodable_commit
 from blockagg.aggregator.exceptions import ConfigError
 from blockagg.spark.components import Components, DefaultComponents
-from blockagg.spark.exceptions import JobError, refusal_in
+from blockagg.spark.exceptions import BatchTimedOut, JobError, refusal_in
 from blockagg.spark.idle import IdleRefresher, broker_retention_minutes, check_idle_interval
 from blockagg.spark.lock import GroupLock, check_metadata_group_idle
 from blockagg.spark.metrics import JobMetrics
@@ -80,6 +80,7 @@ from blockagg.spark.task import (
     run_partition,
     run_range,
 )
+from blockagg.spark.watch import BatchWatch, Watchdog, stage_progress
 
 log = logs.get("job")
 
@@ -188,6 +189,8 @@ class Driver:
             table=dl.table))
         self.idle = IdleRefresher(config.job.idle_commit_interval, time.monotonic)
         self.partitions: set[TopicPartition] = set()
+        self.watch = BatchWatch(config.job.batch_timeout)
+        self.watchdog = Watchdog(self.watch, self.warn_slow_batch, self.cancel_overrun_batch)
 
     # ------------------------------------------------------------------ startup
 
@@ -357,21 +360,29 @@ class Driver:
         return options
 
     def run_ranges(self, df: Any, ranges: dict[TopicPartition, PlannedRange],
-                   batch_id: int) -> BatchSummary:
-        """Run the tasks of one batch over ``df``, then the ranges without rows."""
+                   batch_id: int, kind: str = "stream") -> BatchSummary:
+        """Run the tasks of one batch over ``df``, then the ranges without rows. The
+        tasks run under the batch watch (``spark.watch``): WARN lines while they are
+        slow, :class:`BatchTimedOut` past ``job.batch_timeout``."""
         started = time.time()
         nonempty = {tp: r for tp, r in ranges.items() if not r.empty}
         ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id,
                           self.partition_ends(nonempty))
         reports: list[dict[str, Any]] = []
-        if nonempty and self.config.job.handover == "arrow":
-            rows = df.select(*ROW_COLUMNS).mapInArrow(
-                partial(run_arrow_partition, ctx), REPORT_SCHEMA).collect()
-            reports = [pickle.loads(row[0]) for row in rows]
-        elif nonempty:
-            reports = (
-                df.select(*ROW_COLUMNS).rdd.mapPartitions(partial(run_partition, ctx)).collect()
-            )
+        names = [f"{t}[{p}]" for t, p in sorted(nonempty)]
+        with self.watch.watching(batch_id, kind, names):
+            try:
+                if nonempty and self.config.job.handover == "arrow":
+                    rows = df.select(*ROW_COLUMNS).mapInArrow(
+                        partial(run_arrow_partition, ctx), REPORT_SCHEMA).collect()
+                    reports = [pickle.loads(row[0]) for row in rows]
+                elif nonempty:
+                    reports = df.select(*ROW_COLUMNS).rdd.mapPartitions(
+                        partial(run_partition, ctx)).collect()
+            except Exception as exc:
+                if self.watch.timed_out is not None:
+                    raise BatchTimedOut(self.watch.timed_out) from exc
+                raise
         done = {(r["topic"], r["partition"]) for r in reports}
         for tp in sorted(set(nonempty) - done):
             reports.append(run_range(ctx, tp, [], [], []))
@@ -426,8 +437,32 @@ class Driver:
             .option("failOnDataLoss", "true")
             .load()
         )
-        summary = self.run_ranges(df, ranges, batch_id)
+        summary = self.run_ranges(df, ranges, batch_id, "recovery")
         self._log_batch(summary, "recovery")
+
+    def warn_slow_batch(self) -> None:
+        """The watch's WARN line on a batch still running (``spark.watch``)."""
+        running = self.watch.running
+        if running is None:
+            return
+        logs.event(log, "batch still running", level=30, batch=running.batch_id,
+                   kind=running.kind, seconds=round(self.watch.seconds()),
+                   partitions=list(running.partitions),
+                   tasks=stage_progress(self.spark) or "unknown",
+                   waiting_for="its tasks: a task's own lines name the table, replica or "
+                               "partition it retries; a task without a line is stuck in "
+                               "its Python worker",
+                   timeout=f"{self.watch.timeout:g}s (job.batch_timeout)")
+
+    def cancel_overrun_batch(self) -> None:
+        """Past ``job.batch_timeout``: cancel the batch's jobs, so that its collect
+        fails with the watch's one-line error (:class:`BatchTimedOut`)."""
+        if self.watch.running is None:
+            return
+        error = self.watch.timeout_error(stage_progress(self.spark))
+        self.watch.timed_out = error
+        logs.event(log, "batch timeout: cancelling it", level=40, error=error)
+        self.spark.sparkContext.cancelAllJobs()
 
     # ------------------------------------------------------------------ batches
 
@@ -589,6 +624,7 @@ class Driver:
     def start(self) -> None:
         """Checks, lock, recovery and query start (no waiting)."""
         check_speculation(self.spark)
+        self.watchdog.start()
         self.acquire_lock()
         self.check_idle_interval()
         partitions, committed, _ = self.read_start()
@@ -645,6 +681,7 @@ class Driver:
                     self.failure = exc
                     break
         finally:
+            self.watchdog.stop()
             if self.lock is not None:
                 self.lock.release()
             if self.jvm_signals is not None:

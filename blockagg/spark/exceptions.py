@@ -24,6 +24,11 @@ class LockLost(JobError):
     unguarded (a second job would not be refused)."""
 
 
+class BatchTimedOut(JobError):
+    """A batch did not finish within ``job.batch_timeout``; its jobs were cancelled
+    (``spark.watch``)."""
+
+
 class TaskContractError(JobError):
     """A Spark task got rows that break the one-partition-per-task contract."""
 

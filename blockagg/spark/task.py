@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
 from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, NO_PINS, BlockRange, Pins
@@ -343,6 +344,7 @@ def run_range(
     timestamps_ms: Sequence[int],
 ) -> dict[str, Any]:
     """Run the protocol over one planned range; return the report dict."""
+    logs.setup_worker()
     started = time.time()
     config = ctx.config
     rng = ctx.ranges.get(tp)

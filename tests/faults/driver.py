@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -59,6 +60,53 @@ KINDS = (
 
 _HOOK_STEP = {"task_after_commit": "after_commit", "task_after_insert": "after_insert",
               "task_between_blocks": "between_blocks", "commit_fails": "commit_fails"}
+
+
+_BATCH_LINE = re.compile(r"(\d\d:\d\d:\d\d) INFO +blockagg\.job: batch kind=")
+"""A batch line; often after Spark's progress bar on the same line (``[Stage 0:===> (3 + 1)
+/ 4]`` then spaces: the bar is overwritten with a carriage return, not a newline)."""
+_STAGE = re.compile(r"\[Stage \d+:[=> ]*\((\d+) \+ (\d+)\) / (\d+)\]")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What the job did over a window, read from its log (``BLOCKAGG_LOG_FORMAT=text``):
+    the batches it completed, the time of the last one before or in the window, its
+    (re)starts, and, when a batch was still running at the end (Spark's last stage
+    progress bar comes after the last batch line), that stage's tasks (done + running /
+    total)."""
+
+    batches: int
+    last_batch: str | None
+    starts: int
+    alive: bool
+    running_stage: str | None
+
+    @classmethod
+    def of(cls, before: str, after: str, alive: bool) -> Progress:
+        batches = _BATCH_LINE.findall(after)
+        last = batches[-1] if batches else (_BATCH_LINE.findall(before) or [None])[-1]
+        text = before + after
+        last_batch_end = max((m.end() for m in _BATCH_LINE.finditer(text)), default=-1)
+        stages = [m for m in _STAGE.finditer(text) if m.start() > last_batch_end]
+        stage = "{} + {} / {}".format(*stages[-1].groups()) if stages else None
+        return cls(len(batches), last, after.count("===== start "), alive, stage)
+
+    def why_unfired(self, step: str, window_s: float) -> str:
+        """Why a hook armed for ``window_s`` never reached ``step``: the pipeline was
+        stuck (a batch in progress that never completed), down, restarted, or idle (no
+        new messages), or batches ran and none took that step."""
+        if self.batches:
+            return (f"{self.batches} batch(es) completed in the {window_s:.0f} s window "
+                    f"(last at {self.last_batch}) but no task reached {step}: a bug in the "
+                    "hook or batches without that step")
+        where = (f"the job was restarted {self.starts} time(s)" if self.starts else
+                 "the job was not running" if not self.alive else
+                 f"STUCK: a batch was in progress, its stage at {self.running_stage} tasks "
+                 "(done + running / total), and a task held it" if self.running_stage else
+                 "idle: no new messages reached the job")
+        return (f"no batch completed in the {window_s:.0f} s window ({where}; last batch at "
+                f"{self.last_batch or 'never'}), so no task reached {step}")
 
 
 @dataclass
@@ -182,6 +230,23 @@ class Job:
         for proxy in self.proxies:
             proxy.close()
 
+    def log_mark(self) -> int:
+        """Where the job's log ends now: :meth:`progress` counts from there."""
+        try:
+            return self.log.stat().st_size
+        except OSError:
+            return 0
+
+    def progress(self, mark: int) -> Progress:
+        """What the pipeline did since ``mark`` (:meth:`log_mark`), from its log."""
+        try:
+            with open(self.log, "rb") as log:
+                before = log.read(mark).decode(errors="replace")
+                after = log.read().decode(errors="replace")
+        except OSError:
+            before = after = ""
+        return Progress.of(before, after, self.alive())
+
     def tail(self, lines: int = 60) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -210,9 +275,8 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
             job.kill9()
             job.start()
     elif kind in _HOOK_STEP:
-        job.arm(_HOOK_STEP[kind])
-        info["fired"] = _wait(lambda: hooks.fired(job.hook_dir) >= 1, 120)
-        hooks.disarm(job.hook_dir)
+        info.update(armed_fault(job, _HOOK_STEP[kind], lambda: hooks.fired(job.hook_dir) >= 1,
+                                HOOK_WINDOW_S))
         job.ensure_running()
     elif kind == "executor_stall":
         info.update(stall_across_restart(job, stack, rng))
@@ -250,6 +314,30 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
     return info
 
 
+HOOK_WINDOW_S = 120.0
+"""How long an armed task hook may take to fire (the fault's messages are produced
+meanwhile, so batches run)."""
+STALL_WINDOW_S = 180.0
+
+
+def armed_fault(job: Job, step: str, fired: Any, window_s: float) -> dict[str, Any]:
+    """Arm the task hook ``step``, wait up to ``window_s`` for ``fired()``, disarm. A
+    hook claimed between the end of the wait and the disarm counts as fired (else a
+    stalled worker would be left stopped). A fault that did not fire says why in
+    ``unfired`` (:meth:`Progress.why_unfired`, from the job's log over the window).
+
+    Armed at once, not after waiting for a batch: the fault's own messages are being
+    produced now, and a batch that consumed them before the arming would leave the
+    window without one (with no other fault producing, the pipeline is then idle)."""
+    mark = job.log_mark()
+    job.arm(step)
+    _wait(fired, window_s)
+    hooks.disarm(job.hook_dir)
+    if hooks.fired(job.hook_dir) and _wait(fired, 10):  # claimed: its record follows
+        return {"fired": True}
+    return {"fired": False, "unfired": job.progress(mark).why_unfired(step, window_s)}
+
+
 def _metadata_store(job: Job, stack: StackControl) -> Any:
     from blockagg.aggregator.config import load
     from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
@@ -266,10 +354,8 @@ def stall_across_restart(job: Job, stack: StackControl, rng: random.Random) -> d
     inserts anything; what it was told is recorded in ``refused``."""
     step = rng.choice(["stall_after_commit", "stall_after_insert", "stall_before_commit"])
     info: dict[str, Any] = {"step": step}
-    before = len(hooks.stalled(job.hook_dir))
-    job.arm(step)
-    info["fired"] = _wait(lambda: len(hooks.stalled(job.hook_dir)) > before, 180)
-    hooks.disarm(job.hook_dir)
+    info.update(armed_fault(job, step, lambda: bool(hooks.stalled(job.hook_dir)),
+                            STALL_WINDOW_S))
     if not info["fired"]:
         return info
     record = hooks.stalled(job.hook_dir)[-1]
@@ -323,6 +409,9 @@ def _alive(pid: int) -> bool:
 @dataclass
 class Outcome:
     faults: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Faults injected, per kind: an armed hook that never fired is not one."""
+    unfired: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Faults armed that never fired (their events say why): they tested nothing."""
     recover_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     events: list[dict[str, Any]] = field(default_factory=list)
     report: checker.Report | None = None
@@ -335,6 +424,7 @@ class Outcome:
             return {"n": len(ys), "median": ys[len(ys) // 2], "max": ys[-1]} if ys else {}
 
         return {"faults": dict(self.faults),
+                "unfired": dict(self.unfired),
                 "job_starts": {k: sum(e.get("job_starts", 0) for e in self.events
                                       if e["kind"] == k) for k in self.faults},
                 "recover_s": {k: stats(v) for k, v in self.recover_s.items()},
@@ -420,8 +510,11 @@ class _Run:
         info["job_starts"] = job.starts_in_this_thread() - starts_before
         info["stream"] = threading.current_thread().name
         with self.record_lock:
-            self.outcome.faults[kind] += 1
-            if took is not None:
+            if info.get("fired") is False:
+                self.outcome.unfired[kind] += 1
+            else:
+                self.outcome.faults[kind] += 1
+            if took is not None and info.get("fired") is not False:
                 self.outcome.recover_s[kind].append(time.monotonic() - recovered)
             info["at_s"] = round(time.monotonic() - self.started, 1)
             self.outcome.events.append(info)
@@ -521,6 +614,16 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     return outcome, workload, job
 
 
+def unfired_line(outcome: Outcome) -> str:
+    """The summary's line on faults armed that never fired (not counted as injected)."""
+    total = sum(outcome.unfired.values())
+    if not total:
+        return f"faults injected: {sum(outcome.faults.values())}; armed but not fired: 0"
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(outcome.unfired.items()))
+    return (f"faults injected: {sum(outcome.faults.values())}; ARMED BUT NOT FIRED: {total} "
+            f"({kinds}), not counted as injected; each event's 'unfired' says why")
+
+
 def _wait_caught_up(workload: Workload, job: Job, timeout: float,
                     want: dict[str, int] | None = None) -> float | None:
     """Poll until caught up (with ``want``: at least that much stored), restarting
@@ -575,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.pop("events")
     print(json.dumps(summary, indent=1, sort_keys=True))
     outcome.write(args.json)
+    print(unfired_line(outcome), file=sys.stderr)
     report = outcome.report
     if report is not None and not report.ok:
         print("\n".join(report.problems()), file=sys.stderr)

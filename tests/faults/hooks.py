@@ -141,11 +141,17 @@ def _in_spark_task() -> bool:
 
 
 def arm(folder: Path, step: str) -> None:
-    """Reset the fired markers and arm ``step`` (from the test process)."""
+    """Reset the fired markers and the stall records of the previous arming, and arm
+    ``step`` (from the test process).
+
+    The records go too: a stall claims ``fired-0`` again after the reset, so it writes
+    ``stalled-0.json`` again, and a reader that compared the number of records before
+    and after arming would never see a second stall fire (the stalled worker then stays
+    stopped and holds its batch for good)."""
     if step not in STEPS:
         raise ValueError(f"unknown step {step!r}; known: {STEPS}")
     folder.mkdir(parents=True, exist_ok=True)
-    for marker in folder.glob("fired-*"):
+    for marker in [*folder.glob("fired-*"), *folder.glob("stalled-*.json")]:
         marker.unlink()
     tmp = folder / "armed.tmp"
     tmp.write_text(step)
@@ -162,7 +168,7 @@ def fired(folder: Path) -> int:
 
 
 def stalled(folder: Path) -> list[dict[str, object]]:
-    """The records of the tasks stalled so far (read by the test)."""
+    """The records of the tasks stalled since the last :func:`arm` (read by the test)."""
     return [json.loads(p.read_text()) for p in sorted(folder.glob("stalled-*.json"))]
 
 

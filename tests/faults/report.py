@@ -2,8 +2,9 @@
 ``python -m tests.faults.report faults-1000.json``.
 
 Works on a run still in progress (the driver rewrites the summary after every fault):
-faults per kind, job restarts, time to recover (median / p90 / max over the faults
-that caught up within the settle time), and every check (interim and final)."""
+first the faults armed that never fired (not counted as injected) and why, then faults
+per kind, job restarts, time to recover (median / p90 / max over the faults that caught
+up within the settle time), and every check (interim and final)."""
 
 from __future__ import annotations
 
@@ -22,30 +23,52 @@ def _quantile(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, int(q * len(ys)))]
 
 
+def unfired(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The faults armed that never fired: they tested nothing, so they are not
+    counted as injected (each says why in ``unfired``)."""
+    return [e for e in events if e.get("fired") is False]
+
+
+def unfired_lines(events: list[dict[str, Any]]) -> list[str]:
+    """The report's first lines: how many faults were armed and never fired, and why."""
+    missed = unfired(events)
+    if not missed:
+        return ["Faults armed but not fired: 0."]
+    lines = [f"**Faults armed but not fired: {len(missed)}** (not counted as injected):"]
+    lines += [f"- fault {e.get('n', '?')} {e['kind']} {e.get('step', '')}: "
+              f"{e.get('unfired', 'no reason recorded')}".replace("  ", " ") for e in missed]
+    return lines
+
+
 def fault_table(events: list[dict[str, Any]]) -> list[str]:
     recover: dict[str, list[float]] = defaultdict(list)
     count: dict[str, int] = defaultdict(int)
+    missed: dict[str, int] = defaultdict(int)
     restarts: dict[str, int] = defaultdict(int)
     unsettled: dict[str, int] = defaultdict(int)
     for e in events:
         kind = e["kind"]
+        if e.get("fired") is False:
+            missed[kind] += 1
+            restarts[kind] += int(e.get("job_starts", 0))
+            continue
         count[kind] += 1
         restarts[kind] += int(e.get("job_starts", 0))
         if e.get("recover_s") is None:
             unsettled[kind] += 1
         else:
             recover[kind].append(float(e["recover_s"]))
-    lines = ["| kind | injected | job restarts | time to recover, median / p90 / max (s) "
-             "| not caught up within the settle time |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| kind | injected | armed, not fired | job restarts | time to recover, median / "
+             "p90 / max (s) | not caught up within the settle time |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for kind in KINDS:
         xs = recover[kind]
         times = (f"{statistics.median(xs):.1f} / {_quantile(xs, 0.9):.1f} / {max(xs):.1f}"
                  if xs else "-")
-        lines.append(f"| {kind} | {count[kind]} | {restarts[kind]} | {times} "
+        lines.append(f"| {kind} | {count[kind]} | {missed[kind]} | {restarts[kind]} | {times} "
                      f"| {unsettled[kind]} |")
-    lines.append(f"| all | {sum(count.values())} | {sum(restarts.values())} | | "
-                 f"{sum(unsettled.values())} |")
+    lines.append(f"| all | {sum(count.values())} | {sum(missed.values())} | "
+                 f"{sum(restarts.values())} | | {sum(unsettled.values())} |")
     return lines
 
 
@@ -75,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = json.loads(args.summary.read_text())
     events = summary.get("events") or []
     print(f"{len(events)} faults in {summary.get('seconds', 0):,.0f} s\n")
+    print("\n".join(unfired_lines(events)))
+    print()
     print("\n".join(fault_table(events)))
     print()
     print("\n".join(check_table(summary)))

@@ -23,10 +23,10 @@ CHECK = {"rows_expected": 1000, "rows_stored": 1000, "duplicates": 0, "missing":
 
 def test_fault_table_counts_restarts_and_unsettled_faults() -> None:
     rows = {line.split(" | ")[0].strip("| "): line for line in fault_table(EVENTS)}
-    assert rows["driver_kill9"] == "| driver_kill9 | 2 | 2 | 25.0 / 30.0 / 30.0 | 0 |"
-    assert rows["lost_ack"] == "| lost_ack | 2 | 0 | 2.0 / 2.0 / 2.0 | 1 |"
-    assert rows["zookeeper_down"] == "| zookeeper_down | 0 | 0 | - | 0 |"
-    assert rows["all"] == "| all | 4 | 2 | | 1 |"
+    assert rows["driver_kill9"] == "| driver_kill9 | 2 | 0 | 2 | 25.0 / 30.0 / 30.0 | 0 |"
+    assert rows["lost_ack"] == "| lost_ack | 2 | 0 | 0 | 2.0 / 2.0 / 2.0 | 1 |"
+    assert rows["zookeeper_down"] == "| zookeeper_down | 0 | 0 | 0 | - | 0 |"
+    assert rows["all"] == "| all | 4 | 0 | 2 | | 1 |"
 
 
 def test_check_table_lists_interim_then_final() -> None:

@@ -41,6 +41,21 @@ class InsertFailed(ClickHouseError):
             f"insert into {table} failed after {attempts} attempt(s) ({where}): {message}")
 
 
+class QuorumUnsatisfied(InsertFailed):
+    """Every attempt of a block failed because ``insert_quorum`` could not be reached:
+    a replica of the shard is not catching up. The message names the table, each
+    replica's state (``system.replicas``, its oldest failing queue entry) and the remedy
+    (:func:`aggregator.clickhouse.writer.quorum_error`)."""
+
+    def __init__(self, table: str, code: int | None, message: str, attempts: int,
+                 explanation: str) -> None:
+        super().__init__(table, code, message, attempts)
+        self.args = (explanation,)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class DeadLetterRateExceeded(ClickHouseError):
     """Too large a share of the messages became dead letters: likely a bad deploy
     (a producer writing an unregistered table or a new schema without registering

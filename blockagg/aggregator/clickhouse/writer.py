@@ -48,6 +48,7 @@ from blockagg.aggregator.clickhouse.exceptions import (
     DedupModeMismatch,
     DedupNotConfigured,
     InsertFailed,
+    QuorumUnsatisfied,
     TableNotFound,
 )
 from blockagg.aggregator.clickhouse.rows import (
@@ -89,6 +90,14 @@ RETRIABLE_CODES: Final = frozenset({
 })
 """Server error codes after which the identical block is retried. Everything else
 (syntax, unknown column, type mismatch, readonly user…) will fail again: stop."""
+
+QUORUM_CODES: Final = frozenset({
+    285,  # TOO_FEW_LIVE_REPLICAS
+    286,  # UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE
+})
+"""Codes that say ``insert_quorum`` can't be reached (and 159, TIMEOUT_EXCEEDED, when
+its message is about the quorum): retried, and once every attempt failed so, the
+error names the replica that does not catch up (:func:`quorum_error`)."""
 
 TOKEN_MIN_VERSION: Final = (22, 2)
 """First server version with ``insert_deduplication_token``."""
@@ -623,6 +632,7 @@ class ClickHouseBlockWriter:
         delay = self.config.backoff_initial_s
         last_code: int | None = None
         last_message = ""
+        quorum: tuple[int | None, str] | None = None  # the last quorum refusal
         for attempt in range(1, self.config.max_attempts + 1):
             replica = self._current_replica()
             try:
@@ -639,6 +649,8 @@ class ClickHouseBlockWriter:
                 last_code, last_message = code, str(exc)
                 if code not in RETRIABLE_CODES:
                     raise InsertFailed(what, code, last_message, attempt) from exc
+            if is_quorum_failure(last_code, last_message):
+                quorum = (last_code, last_message)
             log.warning("%s on %s:%d failed (attempt %d/%d): %s; retrying %s", what,
                         replica.host, replica.port, attempt, self.config.max_attempts,
                         last_message.split("Stack trace:")[0].strip(),
@@ -648,7 +660,121 @@ class ClickHouseBlockWriter:
             if attempt < self.config.max_attempts:
                 self._sleep(min(delay, self.config.backoff_max_s) * random.uniform(0.8, 1.2))
                 delay *= 2
-        raise InsertFailed(what, last_code, last_message, self.config.max_attempts)
+        attempts = self.config.max_attempts
+        if what != "(query)" and self.config.insert_quorum and quorum is not None:
+            code, message = quorum
+            raise QuorumUnsatisfied(what, code, message, attempts, quorum_error(
+                what, self.config.insert_quorum, code, message, attempts,
+                self.replica_states(what)))
+        raise InsertFailed(what, last_code, last_message, attempts)
+
+    def replica_states(self, table: str) -> list[ReplicaState]:
+        """Every replica's view of ``table``, one query each (no retry: this explains a
+        failure, it must not prolong it)."""
+        database, name = table.split(".", 1) if "." in table else ("default", table)
+        params = {"db": database, "t": name}
+        states = []
+        for replica in self.config.replicas:
+            address = f"{replica.host}:{replica.port}"
+            try:
+                client = self._client(replica)
+                rows = client.execute(
+                    "SELECT replica_name, is_readonly, is_session_expired, queue_size, "
+                    "absolute_delay FROM system.replicas WHERE database = %(db)s AND "
+                    "table = %(t)s", params)
+                stuck = client.execute(
+                    "SELECT type, num_tries, last_exception FROM system.replication_queue "
+                    "WHERE database = %(db)s AND table = %(t)s AND last_exception != '' "
+                    "ORDER BY num_tries DESC LIMIT 1", params)
+            except Exception as exc:
+                self._drop(replica)
+                states.append(ReplicaState(address, error=f"{type(exc).__name__}: "
+                                                          f"{str(exc)[:200]}"))
+                continue
+            if not rows:
+                states.append(ReplicaState(address, error="not a replicated table there"))
+                continue
+            rname, readonly, expired, queue, delay = rows[0]
+            entry = ""
+            if stuck:
+                kind, tries, exc_text = stuck[0]
+                entry = (f"{kind} tried {tries} times: "
+                         + " ".join(str(exc_text).split("Stack trace:")[0].split())[:300])
+            states.append(ReplicaState(address, str(rname), bool(readonly), bool(expired),
+                                       int(queue), int(delay), entry))
+        return states
+
+
+def is_quorum_failure(code: int | None, message: str) -> bool:
+    """Whether a refused insert says the quorum could not be reached."""
+    return code in QUORUM_CODES or (code == 159 and "quorum" in message.lower())
+
+
+def replicas_with_part(message: str) -> tuple[str, ...]:
+    """The replicas a quorum status lists as having the previous part (18.16's code
+    286 message ends ``replicas:`` then one name per line)."""
+    m = re.search(r"\breplicas:\s*((?:[\w.-]+\s*)+?)(?:\.\s*Stack trace|$)", message)
+    return tuple(m.group(1).split()) if m else ()
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One replica's view of a table (``system.replicas``, ``system.replication_queue``),
+    or why it gave none."""
+
+    address: str
+    name: str = ""
+    readonly: bool = False
+    session_expired: bool = False
+    queue_size: int = 0
+    delay_s: int = 0
+    stuck: str = ""
+    """The queue entry tried most often with an exception: type, tries, exception."""
+    error: str = ""
+
+
+STALLED_ALTER_CODE: Final = 341
+"""18.16's "Alter is not finished because timeout when waiting for some replicas" /
+"Metadata on replica is not up to date": a replica whose replication stopped after a
+replicated ALTER (ClickHouse issue #3891); DETACH + ATTACH TABLE restarts it."""
+
+
+def quorum_error(table: str, quorum: int, code: int | None, message: str, attempts: int,
+                 states: Sequence[ReplicaState]) -> str:
+    """One line for a block whose quorum was never reached: which replica lags and
+    why, and what to do. Pure (the states are read by the writer)."""
+    have = replicas_with_part(message)
+    parts = []
+    for st in states:
+        if st.error:
+            parts.append(f"replica at {st.address} did not answer ({st.error})")
+            continue
+        flags = [f for f, on in (("read-only", st.readonly),
+                                 ("ZooKeeper session expired", st.session_expired)) if on]
+        lag = "has the previous part" if st.name in have else "lags"
+        parts.append(f"replica {st.name or '?'} at {st.address} {lag}: queue {st.queue_size}, "
+                     f"delay {st.delay_s} s" + "".join(f", {f}" for f in flags)
+                     + (f"; stuck on {st.stuck}" if st.stuck else ""))
+    lagging = [st.name or st.address for st in states
+               if st.error or (have and st.name not in have) or st.readonly
+               or st.session_expired or st.stuck]
+    alter = any(f"Code: {STALLED_ALTER_CODE}" in st.stuck or "ALTER" in st.stuck.upper()
+                for st in states)
+    first = " ".join(message.split("Stack trace:")[0].split())[:300]
+    text = (f"insert into {table} failed after {attempts} attempt(s): insert_quorum = "
+            f"{quorum} was not reached (code {code}: {first}); "
+            + ("; ".join(parts) or "the replicas' state is unknown")
+            + f". The replica that does not catch up: {', '.join(lagging) or 'unknown'}. "
+            "Remedy: bring it back (up, reachable, ZooKeeper reachable); its "
+            f"system.replication_queue for {table} says what it is stuck on")
+    if alter:
+        text += (f"; it is ClickHouse 18.16's stalled replicated ALTER (code "
+                 f"{STALLED_ALTER_CODE}): run DETACH TABLE {table} then ATTACH TABLE "
+                 f"{table} on that replica (docs/running.md, *When a replica does not catch "
+                 "up*)")
+    return (text + ". The batch is safe to run again once it has caught up; lowering "
+            "insert_quorum instead would acknowledge blocks that the loss of one replica "
+            "can take away")
 
 
 def _setting_in_create(create: str, name: str) -> int | None:

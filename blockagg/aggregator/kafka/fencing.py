@@ -29,12 +29,14 @@ confirm and its insert) is covered by ClickHouse's block deduplication:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.kafka.exceptions import (
     AttemptFenced,
@@ -42,6 +44,47 @@ from blockagg.aggregator.kafka.exceptions import (
     OffsetMetadataTooLarge,
 )
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore, _error_of, _is_retriable
+
+log = logs.get("metadata")
+
+HUNG_CALL_GRACE_S: Final = 15.0
+"""How long past the timeout it was given a transactional call of librdkafka may take
+before the attempt stops waiting for it (:func:`within`)."""
+
+_ABANDONED: list[Any] = []
+"""Producers whose call never returned: kept, not destroyed (destroying one waits for
+its threads, which may hang the same way); a newer attempt has fenced each of them."""
+
+R = TypeVar("R")
+
+
+class CallHung(Exception):
+    """A librdkafka call did not return in time (see :func:`within`)."""
+
+
+def within(call: Callable[[], R], seconds: float, what: str) -> R:
+    """``call()`` on a helper thread, waited for at most ``seconds``: its result or its
+    exception, or :class:`CallHung`. librdkafka's transactional calls take a timeout but
+    can block past it (a commit that began just as the broker restarted hung for
+    minutes in a fault run, its transaction rolled back by the coordinator meanwhile);
+    a task must not wait on one for ever."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"blockagg-{what}", daemon=True).start()
+    if not done.wait(seconds):
+        raise CallHung(what)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]  # type: ignore[no-any-return]
 
 FENCED_CODES: Final = frozenset(
     {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
@@ -109,6 +152,7 @@ class FencedAttempt:
         retries: int = 8,
         backoff: float = 0.1,
         sleep: Callable[[float], None] = time.sleep,
+        hang_grace_s: float = HUNG_CALL_GRACE_S,
     ) -> None:
         self.store = store
         self.topic = topic
@@ -118,6 +162,8 @@ class FencedAttempt:
         self._backoff = backoff
         self._sleep = sleep
         self._timeout = store.timeout
+        self._hang_after = store.timeout + hang_grace_s
+        self._hung = False
         self._written: Committed | None = None
         self._producer = producer_factory(producer_settings(
             store.settings, self.transactional_id, transaction_timeout_ms))
@@ -127,8 +173,10 @@ class FencedAttempt:
             # Without them librdkafka often looks for the transaction coordinator before
             # any connection is up and waits its fixed 500 ms timer (docs/BENCHMARKS.md).
             for _ in range(2):
-                self._producer.list_topics(topic, self._timeout)
-            self._producer.init_transactions(self._timeout)
+                self._bounded(lambda: self._producer.list_topics(topic, self._timeout),
+                              "list_topics")
+            self._bounded(lambda: self._producer.init_transactions(self._timeout),
+                          "init_transactions")
         except KafkaException as exc:
             raise MetadataCommitError(
                 f"{self._where}: could not initialise the transactional id "
@@ -137,6 +185,23 @@ class FencedAttempt:
                 "grant Write and Describe on the TransactionalId prefix "
                 f"'blockagg.{store.group_id}.' and IdempotentWrite on the cluster."
             ) from exc
+
+    def _bounded(self, call: Callable[[], R], what: str) -> R:
+        """``call()`` through :func:`within`; a call that hangs ends this attempt with
+        :class:`MetadataCommitError` (Spark retries the task: the next attempt fences
+        this one's producer, which is abandoned, never destroyed)."""
+        try:
+            return within(call, self._hang_after, what)
+        except CallHung:
+            self._hung = True
+            error = MetadataCommitError(
+                f"{self._where}: librdkafka's {what} of the transactional id "
+                f"{self.transactional_id!r} did not return within {self._hang_after:g}s "
+                f"although given {self._timeout:g}s (a transaction left hanging, e.g. by a "
+                "broker restart); this attempt stops and the next one fences it. The batch "
+                "is safe to run again.")
+            logs.event(log, "transactional call hung", level=30, error=str(error))
+            raise error from None
 
     @property
     def _where(self) -> str:
@@ -165,11 +230,16 @@ class FencedAttempt:
         position = [TopicPartition(topic, partition, offset, metadata=metadata)]
         group = self.store.group_metadata()
         delay = self._backoff
+        wait = logs.SlowWait(log, f"the commit of offset {offset} of {self._where} (Kafka "
+                                  "does not answer the transaction)",
+                              clock=self.store.clock)
         for tries in range(self._retries + 1):
             try:
                 self._producer.begin_transaction()
-                self._producer.send_offsets_to_transaction(position, group, self._timeout)
-                self._producer.commit_transaction(self._timeout)
+                self._bounded(lambda: self._producer.send_offsets_to_transaction(
+                    position, group, self._timeout), "send_offsets_to_transaction")
+                self._bounded(lambda: self._producer.commit_transaction(self._timeout),
+                              "commit_transaction")
                 self._written = Committed(offset=offset, metadata=metadata)
                 return
             except KafkaException as exc:
@@ -193,6 +263,7 @@ class FencedAttempt:
                         f"of {self.transactional_id!r}: {exc}. The commit may or may not have "
                         "been applied; the batch is safe to run again."
                     ) from exc
+                wait.note(attempt=tries + 1, attempts=self._retries + 1, error=str(exc))
                 self._abort_quietly()
                 self._sleep(delay)
                 delay = min(delay * 2, 5.0)
@@ -200,7 +271,8 @@ class FencedAttempt:
 
     def _abort_quietly(self) -> None:
         try:
-            self._producer.abort_transaction(self._timeout)
+            self._bounded(lambda: self._producer.abort_transaction(self._timeout),
+                          "abort_transaction")
         except KafkaException as exc:
             error = _error_of(exc)
             if error is not None and error.code() in FENCED_CODES:
@@ -223,7 +295,10 @@ class FencedAttempt:
                 f"({shown} now); the block was not inserted")
 
     def close(self) -> None:
-        """Drop the producer (it holds no messages: only offset commits)."""
+        """Drop the producer (it holds no messages: only offset commits); one whose call
+        hung is kept instead (:data:`_ABANDONED`)."""
+        if self._hung:
+            _ABANDONED.append(self._producer)
         del self._producer
 
     def __enter__(self) -> FencedAttempt:

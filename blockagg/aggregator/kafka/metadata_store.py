@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.exceptions import ConfigError
 from blockagg.aggregator.kafka.exceptions import (
@@ -40,6 +41,8 @@ RETRIABLE_CODES: Final = frozenset(
 """Codes retried even when librdkafka does not flag them retriable."""
 
 _NO_OFFSET: Final = 0
+
+log = logs.get("metadata")
 
 if TYPE_CHECKING:
     from blockagg.aggregator.kafka.fencing import FencedAttempt
@@ -87,6 +90,7 @@ class KafkaMetadataStore:
         timeout: float = 30.0,
         consumer_factory: Callable[[dict[str, Any]], OffsetsConsumer] = Consumer,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not config.get("group.id"):
             raise ConfigError(
@@ -112,9 +116,13 @@ class KafkaMetadataStore:
         self._max_backoff = max_backoff
         self.timeout = timeout
         self._sleep = sleep
+        self.clock = clock
 
-    def _retrying(self, attempt: Callable[[], R]) -> R:
+    def _retrying(self, attempt: Callable[[], R], what: str) -> R:
+        """``attempt()`` until it succeeds, a non-retriable error or the last retry;
+        a wait longer than a few seconds logs ``what`` it waits for (WARN, rate-limited)."""
         delay = self._backoff
+        wait = logs.SlowWait(log, what, clock=self.clock)
         for tries in range(self._retries + 1):
             try:
                 return attempt()
@@ -122,6 +130,7 @@ class KafkaMetadataStore:
                 error = _error_of(exc)
                 if error is None or not _is_retriable(error) or tries == self._retries:
                     raise
+                wait.note(attempt=tries + 1, attempts=self._retries + 1, error=error.str())
                 self._sleep(delay)
                 delay = min(delay * 2, self._max_backoff)
         raise AssertionError("unreachable")
@@ -140,7 +149,8 @@ class KafkaMetadataStore:
             return Committed(offset=int(result.offset), metadata=result.metadata or "")
 
         try:
-            return self._retrying(attempt)
+            return self._retrying(attempt, f"the last commit of {topic}[{partition}] in group "
+                                           f"{self.group_id!r} (Kafka does not answer)")
         except KafkaException as exc:
             raise CommittedReadError(
                 f"could not read the committed offset of {topic}[{partition}] in group "
@@ -161,7 +171,8 @@ class KafkaMetadataStore:
                     raise KafkaException(result.error)
 
         try:
-            self._retrying(attempt)
+            self._retrying(attempt, f"the commit of offset {offset} of {topic}[{partition}] in "
+                                    f"group {self.group_id!r} (Kafka does not answer)")
         except KafkaException as exc:
             error = _error_of(exc)
             if error is not None and error.code() == KafkaError.OFFSET_METADATA_TOO_LARGE:

@@ -3,7 +3,7 @@ non-retriable errors, coordinates, dead letters, and the startup dedup check."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -16,10 +16,19 @@ from blockagg.aggregator.clickhouse.exceptions import (
     DedupNotConfigured,
     DedupWindowTooSmall,
     InsertFailed,
+    QuorumUnsatisfied,
     TableNotFound,
 )
 from blockagg.aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
-from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+from blockagg.aggregator.clickhouse.writer import (
+    ClickHouseBlockWriter,
+    Replica,
+    ReplicaState,
+    WriterConfig,
+    is_quorum_failure,
+    quorum_error,
+    replicas_with_part,
+)
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import message_class
 
@@ -203,3 +212,62 @@ def test_check_refuses_profile_and_distributed() -> None:
     with pytest.raises(DedupNotConfigured, match="Distributed"):
         make_writer(_check_script("Distributed", ""), []).check_tables(["db.t"])
     assert make_writer(_check_script("ReplicatedMergeTree", ""), []).check_tables(["db.t"])
+
+
+QUORUM_286 = ("Quorum for previous write has not been satisfied yet. Status: version: 1\n"
+              "part_name: all_48_48_0\nrequired_number_of_replicas: 2\n"
+              "actual_number_of_replicas: 1\nreplicas:\nr1\n. Stack trace:\n\n0. /lib/x")
+
+
+class ReplicaViewClient(FakeClient):
+    """Answers system.replicas / system.replication_queue per replica."""
+
+    VIEWS: ClassVar[dict[str, tuple[list[Any], list[Any]]]] = {
+        "a": ([("r1", 0, 0, 0, 0)], []),
+        "b": ([("r2", 0, 0, 3, 125)],
+              [("GET_PART", 14, "Code: 341, e.displayText() = DB::Exception: Metadata on "
+                                "replica is not up to date. Stack trace:\n0. x")]),
+    }
+
+    def execute(self, query: str, params: Any = None, **kwargs: Any) -> Any:
+        if "system.replicas" in query:
+            return self.VIEWS[self.replica.host][0]
+        if "system.replication_queue" in query:
+            return self.VIEWS[self.replica.host][1]
+        return super().execute(query, params, **kwargs)
+
+
+def test_an_unreachable_quorum_names_the_lagging_replica_and_the_remedy(
+        sample: Descriptor) -> None:
+    """Every attempt refused for the quorum: one error naming the table, the replica
+    that does not catch up, what it is stuck on and the 18.16 remedy, not the server's
+    raw message."""
+    batch, block = sample_batch(sample)
+    refusal = [ch_errors.ServerException(QUORUM_286, code=286)] * 3
+    script: dict[str, Any] = {"a": list(refusal), "b": list(refusal)}
+    writer = ClickHouseBlockWriter(
+        WriterConfig(replicas=(Replica("a"), Replica("b", 9100)), insert_quorum=2,
+                     max_attempts=4),
+        lambda r: ReplicaViewClient(r, script, []), sleep=lambda s: None)
+    with pytest.raises(QuorumUnsatisfied) as info:
+        writer.insert(block, batch)
+    text = str(info.value)
+    assert isinstance(info.value, InsertFailed) and info.value.code == 286
+    assert text.startswith("insert into db.t failed after 4 attempt(s): insert_quorum = 2 "
+                           "was not reached (code 286: Quorum for previous write")
+    assert "replica r1 at a:9000 has the previous part: queue 0, delay 0 s" in text
+    assert ("replica r2 at b:9100 lags: queue 3, delay 125 s; stuck on GET_PART tried 14 "
+            "times: Code: 341") in text
+    assert "The replica that does not catch up: r2." in text
+    assert "DETACH TABLE db.t then ATTACH TABLE db.t on that replica" in text
+    assert "Stack trace" not in text and "\n" not in text
+
+
+def test_quorum_error_names_a_replica_that_does_not_answer() -> None:
+    states = [ReplicaState("a:9000", "r1"), ReplicaState("b:9000", error="NetworkError: down")]
+    text = quorum_error("db.t", 2, 159, "Timeout while waiting for quorum", 6, states)
+    assert "replica at b:9000 did not answer (NetworkError: down)" in text
+    assert "does not catch up: b:9000." in text and "DETACH" not in text
+    assert replicas_with_part(QUORUM_286) == ("r1",)
+    assert is_quorum_failure(159, "Timeout while waiting for quorum")
+    assert not is_quorum_failure(159, "Timeout exceeded: elapsed 5 seconds")

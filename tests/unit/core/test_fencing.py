@@ -5,6 +5,7 @@ commits, the older one's inserts stop at ``confirm``, a zombie can't duplicate r
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +25,7 @@ from blockagg.aggregator.core.protocol import (
     plan_batch,
     run_batch,
 )
+from blockagg.aggregator.kafka import fencing
 from blockagg.aggregator.kafka.exceptions import AttemptFenced, MetadataCommitError
 from blockagg.aggregator.kafka.fencing import FencedAttempt, transactional_id
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
@@ -276,3 +278,38 @@ def test_stalled_attempts_resumed_later_change_nothing(scenario: Stalls) -> None
     assert sink.rows == expected_rows(scenario.messages)
     history = [decode(text) for text in coordinator.history if is_blockagg(text)]
     assert anomalies(history) == []
+
+
+class HangingProducer(TxnProducer):
+    """A producer whose commit_transaction blocks past its timeout (until released)."""
+
+    release = threading.Event()
+
+    def commit_transaction(self, timeout: float = 0) -> None:
+        self.release.wait(30)
+        super().commit_transaction(timeout)
+
+
+def test_a_transactional_call_that_hangs_past_its_timeout_ends_the_attempt() -> None:
+    """librdkafka's commit_transaction can block past the timeout it is given; the
+    attempt stops with one error naming the call instead of holding its task for ever,
+    and keeps the producer (destroying it could block as well)."""
+    coordinator = Coordinator()
+    store = KafkaMetadataStore({"bootstrap.servers": "b:9092", "group.id": "g"},
+                               consumer_factory=lambda _: GroupConsumer(coordinator),
+                               timeout=0.05)
+    attempt = FencedAttempt(store, "t", 2, sleep=lambda _: None, hang_grace_s=0.05,
+                            producer_factory=lambda s: HangingProducer(coordinator, s))
+    try:
+        with pytest.raises(MetadataCommitError) as info:
+            attempt.commit("t", 2, 10, "ba1:intent")
+        producer = attempt._producer
+        attempt.close()
+        assert fencing._ABANDONED[-1] is producer
+    finally:
+        HangingProducer.release.set()
+    assert str(info.value).startswith(
+        "t[2] in group 'g': librdkafka's commit_transaction of the transactional id "
+        "'blockagg.g.t.2' did not return within 0.1s although given 0.05s")
+    assert "the next one fences it" in str(info.value)
+    assert coordinator.history == []  # never committed while the attempt waited

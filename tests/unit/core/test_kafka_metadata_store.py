@@ -124,3 +124,26 @@ def test_metadata_too_large_names_offset_metadata_max_bytes() -> None:
     with pytest.raises(OffsetMetadataTooLarge, match=r"offset\.metadata\.max\.bytes") as info:
         store.commit("t", 0, 7, "m" * 5000)
     assert isinstance(info.value, MetadataTooLarge)
+
+
+def test_a_long_retry_names_what_it_waits_for_at_warn_rate_limited(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A broker that keeps timing out: after 2 s of retries one WARN line names the
+    partition and the group, then at most one per 10 s (the clock moves with the sleeps)."""
+    now = [0.0]
+    consumer = ScriptedConsumer([("raise", KafkaError._TIMED_OUT)] * 8)
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds + 3.0  # each try also waits out its request timeout
+
+    store = KafkaMetadataStore({"bootstrap.servers": "b:9092", "group.id": "g"},
+                               consumer_factory=lambda c: consumer, sleep=sleep,
+                               clock=lambda: now[0], retries=8, backoff=0.1)
+    with caplog.at_level("WARNING", logger="blockagg.metadata"):
+        assert store.committed("events", 3) is None
+    lines = [r for r in caplog.records if r.name == "blockagg.metadata"]
+    assert 2 <= len(lines) <= 3, [r.getMessage() for r in lines]
+    assert lines[0].getMessage() == ("still waiting for the last commit of events[3] in group "
+                                     "'g' (Kafka does not answer)")
+    fields = lines[0].blockagg_fields  # type: ignore[attr-defined]
+    assert fields["attempt"] >= 2 and fields["attempts"] == 9 and fields["error"]
