@@ -285,6 +285,8 @@ class ClickHouseConfig:
     send_receive_timeout: float = 300.0
     retries: int = 5
     retry_backoff: float = 1.0
+    insert_concurrency: int = 4
+    ping_after_idle: float = 5.0
     secure: bool = False
     verify: bool = True
     ca_certs: str | None = None
@@ -298,7 +300,9 @@ class ClickHouseConfig:
             f"insert_quorum_timeout={self.insert_quorum_timeout}, "
             f"connect_timeout={self.connect_timeout}, "
             f"send_receive_timeout={self.send_receive_timeout}, retries={self.retries}, "
-            f"retry_backoff={self.retry_backoff}, secure={self.secure}, verify={self.verify}, "
+            f"retry_backoff={self.retry_backoff}, "
+            f"insert_concurrency={self.insert_concurrency}, "
+            f"ping_after_idle={self.ping_after_idle}, secure={self.secure}, verify={self.verify}, "
             f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r}, "
             f"allow_small_dedup_window={self.allow_small_dedup_window})"
         )
@@ -855,6 +859,8 @@ def from_dict(
         send_receive_timeout=ch_t.take("send_receive_timeout", _duration, 300.0),
         retries=ch_t.take("retries", _int(0), 5),
         retry_backoff=ch_t.take("retry_backoff", _duration, 1.0),
+        insert_concurrency=ch_t.take("insert_concurrency", _int(1, 64), 4),
+        ping_after_idle=ch_t.take("ping_after_idle", _duration, 5.0),
         secure=ch_t.take("secure", _bool, False),
         verify=ch_t.take("verify", _bool, True),
         ca_certs=ch_t.take("ca_certs", _nonempty, None),

@@ -29,6 +29,7 @@ confirm and its insert) is covered by ClickHouse's block deduplication:
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
@@ -119,6 +120,9 @@ class FencedAttempt:
         self._sleep = sleep
         self._timeout = store.timeout
         self._written: Committed | None = None
+        self._confirm_lock = threading.Lock()
+        self._reads_begun = 0
+        self._confirmed_by = 0
         self._producer = producer_factory(producer_settings(
             store.settings, self.transactional_id, transaction_timeout_ms))
         try:
@@ -211,8 +215,22 @@ class FencedAttempt:
     def confirm(self, topic: str, partition: int) -> None:
         """Raise :class:`AttemptFenced` unless the partition's last commit is still the
         one this attempt wrote: called before each insert, so an attempt whose partition
-        has moved on (a newer attempt committed since) inserts nothing."""
+        has moved on (a newer attempt committed since) inserts nothing.
+
+        Safe from several insert lanes at once: callers that arrive while a read is in
+        flight share the next read, which begins after they asked, so every insert is
+        still preceded by a read of the partition taken after the insert was ready."""
         self._check(topic, partition)
+        asked = self._reads_begun
+        with self._confirm_lock:
+            if self._confirmed_by > asked:
+                return
+            self._reads_begun += 1
+            read = self._reads_begun
+            self._read_and_compare(topic, partition)
+            self._confirmed_by = read
+
+    def _read_and_compare(self, topic: str, partition: int) -> None:
         last = self.store.committed(topic, partition)
         written = self._written
         if (written is None or last is None or last.offset != written.offset
