@@ -229,11 +229,19 @@ def _recently_used_connection() -> type:
         used_at = float("-inf")
 
         def force_connect(self) -> None:
+            """The driver's step before each query, pinging only an idle connection."""
+            self.check_query_execution()
+            self.ensure_connected()
+
+        def ensure_connected(self) -> None:
+            """Connect, or reconnect a connection idle for ``ping_after_idle_s`` or
+            more that does not answer a ping."""
             now = time.monotonic()
-            if self.connected and now - self.used_at < self.ping_after_idle_s:
-                self.check_query_execution()
-            else:
-                super().force_connect()
+            if not self.connected:
+                self.connect()
+            elif now - self.used_at >= self.ping_after_idle_s and not self.ping():
+                log.info("connection to %s:%s was closed; reconnecting", *self.hosts[0])
+                self.connect()
             self.used_at = now
 
     return RecentlyUsedConnection
@@ -247,21 +255,21 @@ def default_client_factory(config: WriterConfig) -> Callable[[Replica], Client]:
             replica.host, port=replica.port, user=config.user, password=config.password,
             connect_timeout=config.connect_timeout_s,
             send_receive_timeout=config.send_receive_timeout_s)
-        if config.ping_after_idle_s > 0:
-            client.connection.__class__ = _recently_used_connection()
-            client.connection.ping_after_idle_s = config.ping_after_idle_s
+        client.connection.__class__ = _recently_used_connection()
+        client.connection.ping_after_idle_s = config.ping_after_idle_s
         made: Client = client
         return made
     return make
 
 
 def connected_version(client: Client) -> tuple[int, ...]:
-    """The version of the server ``client`` is about to send to: for
-    clickhouse-driver's client, from the connection's handshake (connecting, or
-    pinging an idle connection, first), without a query; else ``SELECT version()``."""
+    """The version of the server ``client`` is about to send to: for the writer's
+    clickhouse-driver client, from the connection's handshake (connecting, or pinging
+    an idle connection, first), without a query; else ``SELECT version()``."""
     connection = getattr(client, "connection", None)
-    if connection is not None and _is_driver_client(client):
-        connection.force_connect()
+    if hasattr(connection, "ensure_connected"):
+        assert connection is not None
+        connection.ensure_connected()
         info = connection.server_info
         return int(info.version_major), int(info.version_minor), int(info.version_patch)
     return parse_version(str(client.execute("SELECT version()")[0][0]))
