@@ -90,6 +90,8 @@ class RunResult:
         return self.rows_per_s * self.row_bytes / 1e6
 
     def line(self) -> str:
+        if not self.rows:
+            return f"{self.mode:<14} cores={self.cores} no rows (exit {self.exit_code})"
         return (f"{self.mode:<14} cores={self.cores} block_rows={self.block_rows:>9,} "
                 f"{self.rows_per_s:>10,.0f} rows/s {self.mb_per_s:>6.1f} MB/s "
                 f"job cpu {self.job_cpu_s / self.rows * 1e6:>6.1f} s/Mrows "

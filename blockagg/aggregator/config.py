@@ -156,8 +156,9 @@ _SIZE_UNITS: Final[Mapping[str, int]] = {
 _QUANTITY: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
-def parse_duration(value: object, path: str = "duration") -> float:
-    """Seconds from ``1.5``, ``"500ms"``, ``"1s"``, ``"2 minutes"``; must be > 0."""
+def parse_duration(value: object, path: str = "duration", zero: bool = False) -> float:
+    """Seconds from ``1.5``, ``"500ms"``, ``"1s"``, ``"2 minutes"``; must be > 0 (or
+    ``>= 0`` with ``zero``)."""
     if isinstance(value, bool):
         raise ConfigError(f"{path}: expected a duration like \"1s\" or \"500ms\", got {value!r}")
     if isinstance(value, int | float):
@@ -173,8 +174,9 @@ def parse_duration(value: object, path: str = "duration") -> float:
         seconds = float(match.group(1)) * _DURATION_UNITS.get(unit, 1.0)
     else:
         raise ConfigError(f"{path}: expected a duration like \"1s\", got {value!r}")
-    if not seconds > 0:
-        raise ConfigError(f"{path}: must be greater than 0, got {value!r}")
+    if not (seconds >= 0 if zero else seconds > 0):
+        raise ConfigError(f"{path}: must be {'0 or more' if zero else 'greater than 0'}, "
+                          f"got {value!r}")
     return seconds
 
 
@@ -533,6 +535,10 @@ def _duration(value: object, path: str) -> float:
     return parse_duration(value, path)
 
 
+def _duration_or_zero(value: object, path: str) -> float:
+    return parse_duration(value, path, zero=True)
+
+
 def _size(value: object, path: str) -> int:
     return parse_size(value, path)
 
@@ -860,7 +866,7 @@ def from_dict(
         retries=ch_t.take("retries", _int(0), 5),
         retry_backoff=ch_t.take("retry_backoff", _duration, 1.0),
         insert_concurrency=ch_t.take("insert_concurrency", _int(1, 64), 4),
-        ping_after_idle=ch_t.take("ping_after_idle", _duration, 5.0),
+        ping_after_idle=ch_t.take("ping_after_idle", _duration_or_zero, 5.0),
         secure=ch_t.take("secure", _bool, False),
         verify=ch_t.take("verify", _bool, True),
         ca_certs=ch_t.take("ca_certs", _nonempty, None),

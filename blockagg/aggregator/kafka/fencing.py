@@ -89,6 +89,26 @@ def producer_settings(store_settings: Mapping[str, Any], tid: str,
     return settings
 
 
+class IdleProducers:
+    """Transactional producers kept between the attempts of one process, by
+    transactional id: a partition's next task in the same Python worker reuses the
+    producer instead of starting one and calling ``init_transactions()`` (about
+    60 ms a task, docs/BENCHMARKS.md), once it has shown that the producer still holds
+    the id's newest epoch (:meth:`FencedAttempt._still_current`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[str, TransactionalProducer] = {}
+
+    def take(self, tid: str) -> TransactionalProducer | None:
+        with self._lock:
+            return self._idle.pop(tid, None)
+
+    def keep(self, tid: str, producer: TransactionalProducer) -> None:
+        with self._lock:
+            self._idle[tid] = producer
+
+
 class FencedAttempt:
     """One task attempt's hold on one partition; a :class:`MetadataStore` for it.
 
@@ -110,6 +130,7 @@ class FencedAttempt:
         retries: int = 8,
         backoff: float = 0.1,
         sleep: Callable[[float], None] = time.sleep,
+        idle: IdleProducers | None = None,
     ) -> None:
         self.store = store
         self.topic = topic
@@ -123,6 +144,14 @@ class FencedAttempt:
         self._confirm_lock = threading.Lock()
         self._reads_begun = 0
         self._confirmed_by = 0
+        self._idle = idle
+        self._reusable = True
+        self.reused = False
+        kept = idle.take(self.transactional_id) if idle is not None else None
+        if kept is not None and self._still_current(kept):
+            self._producer = kept
+            self.reused = True
+            return
         self._producer = producer_factory(producer_settings(
             store.settings, self.transactional_id, transaction_timeout_ms))
         try:
@@ -134,6 +163,7 @@ class FencedAttempt:
                 self._producer.list_topics(topic, self._timeout)
             self._producer.init_transactions(self._timeout)
         except KafkaException as exc:
+            self._reusable = False
             raise MetadataCommitError(
                 f"{self._where}: could not initialise the transactional id "
                 f"{self.transactional_id!r} that fences older attempts: {exc}. The brokers "
@@ -141,6 +171,23 @@ class FencedAttempt:
                 "grant Write and Describe on the TransactionalId prefix "
                 f"'blockagg.{store.group_id}.' and IdempotentWrite on the cluster."
             ) from exc
+
+    def _still_current(self, producer: TransactionalProducer) -> bool:
+        """Whether a producer kept from an earlier attempt still holds the id's newest
+        epoch: one transaction carrying an offset commit of the partition, aborted (so
+        nothing of it is ever visible to ``read_committed`` readers), which the
+        transaction coordinator refuses if any producer initialised the id since. If
+        it went through, every older attempt is fenced exactly as by
+        ``init_transactions()``; else the caller starts a fresh producer."""
+        probe = [TopicPartition(self.topic, self.partition, 0, metadata="")]
+        try:
+            producer.begin_transaction()
+            producer.send_offsets_to_transaction(probe, self.store.group_metadata(),
+                                                 self._timeout)
+            producer.abort_transaction(self._timeout)
+        except KafkaException:
+            return False
+        return True
 
     @property
     def _where(self) -> str:
@@ -171,10 +218,12 @@ class FencedAttempt:
         delay = self._backoff
         for tries in range(self._retries + 1):
             try:
+                self._reusable = False  # until the transaction has ended
                 self._producer.begin_transaction()
                 self._producer.send_offsets_to_transaction(position, group, self._timeout)
                 self._producer.commit_transaction(self._timeout)
                 self._written = Committed(offset=offset, metadata=metadata)
+                self._reusable = True
                 return
             except KafkaException as exc:
                 error = _error_of(exc)
@@ -241,8 +290,12 @@ class FencedAttempt:
                 f"({shown} now); the block was not inserted")
 
     def close(self) -> None:
-        """Drop the producer (it holds no messages: only offset commits)."""
-        del self._producer
+        """Keep the producer for the partition's next attempt in this process (with
+        ``idle``), unless a Kafka error touched it; else drop it (it holds no messages:
+        only offset commits, each one a finished transaction)."""
+        producer = self.__dict__.pop("_producer", None)
+        if producer is not None and self._idle is not None and self._reusable:
+            self._idle.keep(self.transactional_id, producer)
 
     def __enter__(self) -> FencedAttempt:
         return self
