@@ -17,6 +17,7 @@ earlier run can never drop a block and flatter the figures), and drains the topi
 * ``exactly_once_serial``: the job as shipped with ``clickhouse.insert_concurrency = 1``
   and ``clickhouse.ping_after_idle = "0s"`` (one insert at a time, a ping before each
   query): the baseline of the concurrent inserts within this checkout;
+* ``exactly_once_cN``: the job as shipped with ``clickhouse.insert_concurrency = N``;
 * ``baseline``: the job of another checkout (``--baseline-root``, e.g. ``git archive
   main``), run with the same configuration: a whole earlier version side by side;
 
@@ -193,6 +194,8 @@ class Bench:
         handover = "rows" if mode == "exactly_once_rows" else "arrow"
         serial = ('insert_concurrency = 1\nping_after_idle = "0s"'
                   if mode == "exactly_once_serial" else "")
+        if mode.startswith("exactly_once_c") and mode[len("exactly_once_c"):].isdigit():
+            serial = f"insert_concurrency = {mode[len('exactly_once_c'):]}"
         path = self.folder / f"{tag}.toml"
         replicas = ", ".join(f'"127.0.0.1:{p}"' for p in self.ports)
         path.write_text(f"""
