@@ -14,6 +14,12 @@ earlier run can never drop a block and flatter the figures), and drains the topi
 * ``exactly_once_rows``: the job as shipped but with ``job.handover = "rows"`` (tasks
   receive pickled Spark rows instead of Arrow record batches): the baseline of the
   Arrow hand-over;
+* ``exactly_once_serial``: the job as shipped with ``clickhouse.insert_concurrency = 1``
+  and ``clickhouse.ping_after_idle = "0s"`` (one insert at a time, a ping before each
+  query): the baseline of the concurrent inserts within this checkout;
+* ``exactly_once_cN``: the job as shipped with ``clickhouse.insert_concurrency = N``;
+* ``baseline``: the job of another checkout (``--baseline-root``, e.g. ``git archive
+  main``), run with the same configuration: a whole earlier version side by side;
 
 over block sizes (``--block-rows``) and cores (``--cores``: ``local[N]`` and the job's
 process tree pinned to N CPUs with ``taskset``; ClickHouse and Kafka are not pinned).
@@ -25,7 +31,9 @@ per million rows of the job's process tree (driver, JVM, Python workers; sampled
 (start-up excluded), and of the servers, peak RSS of the job's process tree. Then a
 latency run: the job streaming, a producer at ``--latency-rate`` rows/s for
 ``--latency-seconds``, and a probe row per 100 ms whose produce time is compared with
-the moment a poller (every 50 ms) first sees it in ClickHouse: p50/p99.
+the moment a poller (every 50 ms) first sees it in ClickHouse: p50/p99; with
+``--latency-modes`` and ``--latency-repeat``, each mode's streaming run repeated in ABBA
+order and compared by the median of its p99s.
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ class RunResult:
         return self.rows_per_s * self.row_bytes / 1e6
 
     def line(self) -> str:
+        if not self.rows:
+            return f"{self.mode:<14} cores={self.cores} no rows (exit {self.exit_code})"
         return (f"{self.mode:<14} cores={self.cores} block_rows={self.block_rows:>9,} "
                 f"{self.rows_per_s:>10,.0f} rows/s {self.mb_per_s:>6.1f} MB/s "
                 f"job cpu {self.job_cpu_s / self.rows * 1e6:>6.1f} s/Mrows "
@@ -182,6 +192,10 @@ class Bench:
     def config(self, block_rows: int, tag: str, mode: str = "exactly_once") -> tuple[Path, str]:
         group = f"e2e-{self.run_id}-{tag}"
         handover = "rows" if mode == "exactly_once_rows" else "arrow"
+        serial = ('insert_concurrency = 1\nping_after_idle = "0s"'
+                  if mode == "exactly_once_serial" else "")
+        if mode.startswith("exactly_once_c") and mode[len("exactly_once_c"):].isdigit():
+            serial = f"insert_concurrency = {mode[len('exactly_once_c'):]}"
         path = self.folder / f"{tag}.toml"
         replicas = ", ".join(f'"127.0.0.1:{p}"' for p in self.ports)
         path.write_text(f"""
@@ -205,6 +219,7 @@ max_bytes = "256MiB"
 [clickhouse]
 database = "{self.database}"
 insert_quorum = {self.args.quorum}
+{serial}
 
 [kafka]
 "bootstrap.servers" = "{self.bootstrap}"
@@ -223,8 +238,9 @@ port = 0
     def start_job(self, config: Path, mode: str, cores: int, until_caught_up: bool,
                   log: Path) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
+        root = self.args.baseline_root if mode == "baseline" else REPO_ROOT
         env.update({
-            "PYTHONPATH": str(REPO_ROOT), "BLOCKAGG_LOG_FORMAT": "text",
+            "PYTHONPATH": str(root), "BLOCKAGG_LOG_FORMAT": "text",
             "PYSPARK_SUBMIT_ARGS": (f"--master local[{cores}] --driver-memory 2g "
                                     f"--jars {self.jars} --conf spark.ui.enabled=false "
                                     "--conf spark.driver.host=127.0.0.1 "
@@ -235,8 +251,8 @@ port = 0
         else:
             env.pop("BLOCKAGG_COMPONENTS", None)
         cpus = ",".join(str(i) for i in range(cores))
-        cmd = ["taskset", "-c", cpus, sys.executable, str(JOB_PY),
-               "--config", str(config)]
+        job = root / JOB_PY.relative_to(REPO_ROOT)
+        cmd = ["taskset", "-c", cpus, sys.executable, str(job), "--config", str(config)]
         if self.args.profile and mode == "exactly_once" and not self.profiled:
             self.profiled = True  # py-spy samples the driver and every Python worker
             cmd[3:3] = ["py-spy", "record", "--subprocesses", "--nonblocking", "--rate",
@@ -245,7 +261,7 @@ port = 0
             cmd.append("--until-caught-up")
         with open(log, "wb") as out:
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    cwd=REPO_ROOT, start_new_session=True)
+                                    cwd=root, start_new_session=True)
 
     def count(self) -> int:
         total = 0
@@ -294,16 +310,16 @@ port = 0
                          rss, self.rows.encoded_row_bytes, code,
                          cpu_at_done - cpu_at_first if first is not None else 0.0)
 
-    def latency(self, block_rows: int) -> dict[str, float]:
+    def latency(self, block_rows: int, mode: str = "exactly_once") -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""
         self.fresh_tables()
-        tag = f"latency-{self.generation}"
-        topic = f"{self.topic}-lat"
+        tag = f"latency-{mode}-{self.generation}"
+        topic = f"{self.topic}-lat{self.generation}"
         create_topic(self.bootstrap, topic, self.args.partitions)
         saved, self.topic = self.topic, topic
-        config, _ = self.config(block_rows, tag)
+        config, _ = self.config(block_rows, tag, mode)
         self.topic = saved
-        proc = self.start_job(config, "exactly_once", 2, False, self.folder / f"{tag}.log")
+        proc = self.start_job(config, mode, 2, False, self.folder / f"{tag}.log")
         from confluent_kafka import Producer
 
         producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 5,
@@ -371,7 +387,7 @@ port = 0
         lat = sorted(seen[i] - sent[i] for i in sent if i in seen)
         if not lat:
             return {"probes": len(sent), "seen": 0}
-        return {"probes": len(sent), "seen": len(lat), "rate_rows_s": rate,
+        return {"mode": mode, "probes": len(sent), "seen": len(lat), "rate_rows_s": rate,
                 "p50_s": lat[len(lat) // 2], "p99_s": lat[min(len(lat) - 1,
                                                               int(len(lat) * 0.99))],
                 "max_s": lat[-1], "seconds": round(time.monotonic() - started, 1)}
@@ -462,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-offsets", type=int, default=0)
     ap.add_argument("--latency-rate", type=float, default=20_000)
     ap.add_argument("--latency-seconds", type=float, default=30)
+    ap.add_argument("--latency-modes", default="exactly_once",
+                    help="comma list of modes whose streaming latency is measured")
+    ap.add_argument("--latency-repeat", type=int, default=1,
+                    help="streaming runs of each latency mode, interleaved ABBA")
+    ap.add_argument("--baseline-root", type=Path,
+                    help="another checkout whose job the 'baseline' mode runs")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--folder")
@@ -502,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
         r = bench.one_run(mode, c, b)
         print(r.line(), file=sys.stderr, flush=True)
         results.append(r)
-    latency = bench.latency(sizes[0]) if args.latency_seconds > 0 else {}
+    latency_modes = args.latency_modes.split(",")
+    latencies = [bench.latency(sizes[0], m) for r in range(args.latency_repeat)
+                 for m in (latency_modes if r % 2 == 0 else latency_modes[::-1])
+                 ] if args.latency_seconds > 0 else []
+    latency = latencies[0] if len(latencies) == 1 else {}
     def best(mode: str) -> RunResult | None:
         runs = [r for r in results if r.mode == mode and r.cores == cores[0]
                 and r.block_rows == sizes[0] and r.rows == args.rows]
@@ -531,6 +557,17 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"job CPU over the processing interval, median of {args.repeat}: "
                          f"exactly-once {e_cpu:.2f}, at-least-once {a_cpu:.2f} s/Mrows; "
                          f"exactly-once / at-least-once: {e_cpu / a_cpu:.2f}")
+    def median_rate(mode: str) -> float:
+        xs = sorted(r.rows_per_s for r in results if r.mode == mode and r.cores == cores[0]
+                    and r.block_rows == sizes[0] and r.rows == args.rows)
+        return xs[len(xs) // 2] if xs else 0.0
+
+    medians = {m: median_rate(m) for m in modes}
+    lines.append(f"median of {args.repeat}: " + ", ".join(
+        f"{m} {v:,.0f} rows/s" for m, v in medians.items()))
+    if len(modes) > 1 and medians[modes[0]]:
+        lines.append(", ".join(f"{m} / {modes[0]}: {medians[m] / medians[modes[0]]:.2f}"
+                               for m in modes[1:]) + f" (median of {args.repeat}, ABBA)")
     if eo and rows and rows.rows_per_s:
         lines.append(f"best of {args.repeat}: exactly-once with the Arrow hand-over "
                      f"{eo.rows_per_s:,.0f} rows/s, with the row hand-over "
@@ -543,10 +580,25 @@ def main(argv: list[str] | None = None) -> int:
     limits = json.loads(args.limits_json.read_text()) if args.limits_json else None
     if limits and eo:
         for r in limits["results"]:
-            lines.append(f"exactly-once / {r['name']}: {eo.rows_per_s / r['rows_per_s']:.2f}")
+            lines.append(f"exactly-once / {r['name']}: {eo.rows_per_s / r['rows_per_s']:.2f}"
+                         + (f" (best), {medians['exactly_once'] / r['rows_per_s']:.2f} "
+                            "(median)" if medians.get("exactly_once") else ""))
     if latency:
         lines.append("latency (exactly-once, streaming): " + json.dumps(
             {k: round(v, 3) if isinstance(v, float) else v for k, v in latency.items()}))
+    elif latencies:
+        for one in latencies:
+            lines.append("latency (streaming): " + json.dumps(
+                {k: round(v, 3) if isinstance(v, float) else v for k, v in one.items()}))
+        p99s = {m: sorted(x["p99_s"] for x in latencies if x.get("mode") == m
+                          and x.get("seen") == x.get("probes")) for m in latency_modes}
+        medians = {m: xs[len(xs) // 2] for m, xs in p99s.items() if xs}
+        lines.append("latency p99, median of " + ", ".join(
+            f"{m} {medians[m]:.1f} s ({len(p99s[m])} complete)" for m in medians))
+        if len(medians) == 2:
+            a, b = latency_modes
+            if a in medians and b in medians and medians[a]:
+                lines.append(f"latency p99 {b} / {a}: {medians[b] / medians[a]:.2f}")
     if args.profile and (bench.folder / "profile.txt").exists():
         lines.append("profile (py-spy, self time of the job's Python processes, top 15):")
         lines.extend(top_functions(bench.folder / "profile.txt", 15))
@@ -555,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"results": [
             {**asdict(r), "rows_per_s": r.rows_per_s, "mb_per_s": r.mb_per_s}
-            for r in results], "latency": latency, "limits": limits}, indent=1))
+            for r in results], "latency": latency or latencies, "limits": limits},
+            indent=1))
     if args.plot:
         plot(results, limits, args.plot)
     if args.append:

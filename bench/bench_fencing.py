@@ -17,8 +17,15 @@ This measures what that adds to the Kafka side of the protocol, against the brok
   trigger apart: an ``init_transactions`` right after the previous transaction's end
   often waits for its markers.
 
+* **per batch, producer kept**: the fenced batch, but each attempt takes the
+  partition's producer kept by the previous one (``fencing.IdleProducers``, as a Python
+  worker does across batches) and shows it still holds the newest epoch with one
+  aborted transaction, instead of starting a producer and calling
+  ``init_transactions()``.
+
 Plain and fenced alternate within one run, ABBA (plain, fenced, fenced, plain, ...),
-each round on a fresh group and topic partition, so both see the same broker and load.
+each round on a fresh group and topic partition, so both see the same broker and load;
+the kept-producer batches alternate with the fresh-producer ones the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from collections.abc import Callable
 
 from bench.workload import create_topic, stack_env
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
-from blockagg.aggregator.kafka.fencing import FencedAttempt
+from blockagg.aggregator.kafka.fencing import FencedAttempt, IdleProducers
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
 
 
@@ -91,16 +98,18 @@ def batches_plain(bootstrap: str, topic: str, batches: int, blocks: int,
 
 
 def batches_fenced(bootstrap: str, topic: str, batches: int, blocks: int,
-                   gap: float) -> list[float]:
+                   gap: float, keep: bool = False) -> list[float]:
     texts = _texts(blocks + 1)
+    idle = IdleProducers() if keep else None
     with _store(bootstrap) as store:
-        with FencedAttempt(store, topic, 0) as warm:
+        with FencedAttempt(store, topic, 0, idle=idle) as warm:
             warm.commit(topic, 0, 0, "warm-up")
         out = []
         for _ in range(batches):
             time.sleep(gap)
             started = time.perf_counter()
-            with FencedAttempt(store, topic, 0) as attempt:
+            with FencedAttempt(store, topic, 0, idle=idle) as attempt:
+                assert attempt.reused == keep
                 attempt.committed(topic, 0)
                 for index, (offset, text) in enumerate(texts):
                     attempt.commit(topic, 0, offset, text)
@@ -157,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- |")
     print(_row("one metadata commit", *per_commit))
     print(_row(f"one batch's Kafka work ({args.blocks} blocks)", *per_batch))
+    kept = _abba(args.repeat,
+                 lambda: batches_fenced(bootstrap, topic, args.batches, args.blocks, args.gap),
+                 lambda: batches_fenced(bootstrap, topic, args.batches, args.blocks, args.gap,
+                                        keep=True))
+    print("\n| measured | fenced, fresh producer, median (p90) ms | fenced, producer kept, "
+          "median (p90) ms | kept / fresh | samples |")
+    print("| --- | --- | --- | --- | --- |")
+    print(_row(f"one batch's Kafka work ({args.blocks} blocks)", *kept))
     return 0
 
 

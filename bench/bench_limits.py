@@ -5,6 +5,16 @@
 * **raw insert**: clickhouse-driver inserts the same rows from prepared columns (no
   Kafka, no decode) in blocks of ``--block-rows`` into a ``ReplicatedMergeTree`` of the
   same 10-column shape: the ceiling of any ClickHouse writer.
+* **raw insert, the job's blocks**: the very blocks ``bench_e2e`` makes the job form
+  (the whole topic one micro-batch: per partition and table, blocks of up to
+  ``--job-block-rows`` rows), into the same tables (``t000``... plus the ``_topic``,
+  ``_partition``, ``_offset`` columns, ``ReplicatedMergeTree``, ``insert_quorum``
+  ``--quorum``), sent as the job sends them (numpy columns through clickhouse-driver's
+  numpy mode, to the first replica), ``--same-blocks-lanes`` inserts at a time (each
+  on its own connection; comma list: one line each). The columns are built from the
+  workload's pool with numpy inside the timed interval (about a millisecond a block).
+  What this costs the servers per insert is what any writer of these blocks pays;
+  the rest of blockagg's time is its own.
 * **Kafka engine**: ClickHouse 18.16's own ``ENGINE = Kafka`` (bundled librdkafka)
   reads the same rows as JSONEachRow from a topic with the same partitions and rows
   per message, through a materialized view into one table of the same shape (it can't
@@ -37,6 +47,8 @@ from typing import Any
 from bench.workload import (
     COLUMN_NAMES,
     COLUMNS,
+    KINDS,
+    POOL,
     REPO_ROOT,
     Rows,
     ch_client,
@@ -47,6 +59,7 @@ from bench.workload import (
     self_cpu_seconds,
 )
 from tests.faults.stack import StackControl
+from tests.faults.workload import COORDINATES
 
 
 @dataclass
@@ -137,6 +150,124 @@ def raw_insert(rows: Rows, client: Any, table: str, block_rows: int, servers: Se
                   rows.encoded_row_bytes, f"{blocks} blocks of {block_rows:,} rows")
 
 
+@dataclass(frozen=True)
+class JobBlock:
+    """One block the job forms: ``messages`` (indexes into the workload) of ``table``
+    in ``partition``, at the partition's offsets ``m // partitions``."""
+
+    table: int
+    partition: int
+    messages: Any  # numpy int64 array
+
+
+def job_blocks(rows: Rows, max_rows: int) -> list[JobBlock]:
+    """The blocks of the whole topic as one micro-batch: per partition, per table (in
+    the round-robin layout of ``bench.workload``), the table's messages in offset
+    order, sealed when they reach ``max_rows`` rows (then the rest at the end)."""
+    import numpy as np
+
+    per_block = -(-max_rows // rows.rows_per_message)
+    out: list[JobBlock] = []
+    m = np.arange(rows.messages, dtype=np.int64)
+    parts, tables = m % rows.partitions, (m // rows.partitions) % rows.tables
+    for p in range(rows.partitions):
+        for t in range(rows.tables):
+            mine = m[(parts == p) & (tables == t)]
+            out.extend(JobBlock(t, p, mine[i:i + per_block])
+                       for i in range(0, mine.size, per_block))
+    return out
+
+
+class PoolColumns:
+    """The workload pool's nine value columns as numpy arrays, to build any block's
+    columns by index without a Python object per row."""
+
+    def __init__(self, rows: Rows) -> None:
+        import numpy as np
+
+        values = [e.values for e in rows.pool]
+        self.rows = rows
+        self.columns: list[Any] = [
+            np.array([v[0] for v in values], dtype=np.int32),
+            np.array([v[1] for v in values], dtype=np.int64),
+            np.array([v[2] for v in values], dtype=np.float64),
+            np.array([v[3] for v in values], dtype=np.float32),
+            np.array([v[4] for v in values], dtype=object),
+            np.array([v[5] for v in values], dtype=object),
+            np.array([v[6] for v in values], dtype="datetime64[s]"),
+            np.array([KINDS.index(v[7]) for v in values], dtype=np.int64),
+            np.empty(POOL, dtype=object),
+        ]
+        for i, v in enumerate(values):
+            self.columns[8][i] = np.array(v[8], dtype=np.int64)
+        self.kinds = np.array(KINDS, dtype=object)
+
+    def block(self, topic: str, block: JobBlock) -> list[Any]:
+        import numpy as np
+
+        rpm = self.rows.rows_per_message
+        starts = block.messages * rpm + 1
+        ids = (starts[:, None] + np.arange(rpm)[None, :]).ravel()
+        ids = ids[ids <= self.rows.rows].astype(np.uint64)
+        pool = ids % POOL
+        cols: list[Any] = [ids]
+        for k, col in enumerate(self.columns):
+            taken = col[pool]
+            cols.append(self.kinds[taken] if k == 7 else taken)
+        offsets = np.repeat(block.messages // self.rows.partitions, rpm)[:ids.size]
+        cols.append(np.full(ids.size, topic, dtype=object))
+        cols.append(np.full(ids.size, block.partition, dtype=np.uint32))
+        cols.append(offsets.astype(np.uint64))
+        return cols
+
+
+def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str,
+                          max_rows: int, lanes: int, quorum: int, servers: Servers,
+                          generation: int) -> Result:
+    """The job's blocks into fresh tables of the job's shape, ``lanes`` at a time."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [f"j{generation}_t{t:03d}" for t in range(rows.tables)]
+    for port in ports:
+        c = ch_client(host, port)
+        for name in names:
+            c.execute(f"CREATE TABLE {database}.{name} ({COLUMNS}, {COORDINATES}) ENGINE = "
+                      f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/{name}', "
+                      "'{replica}') ORDER BY id")
+        c.disconnect()
+    blocks = job_blocks(rows, max_rows)
+    pool = PoolColumns(rows)
+    columns = ", ".join([*COLUMN_NAMES, "_topic", "_partition", "_offset"])
+    settings: dict[str, Any] = {"use_numpy": True, "insert_deduplicate": 1}
+    if quorum:
+        settings["insert_quorum"] = quorum
+    local = threading.local()
+
+    def insert(block: JobBlock) -> None:
+        client = getattr(local, "client", None)
+        if client is None:
+            client = local.client = ch_client(host, ports[0])
+            client.execute("SELECT 1")
+        client.execute(f"INSERT INTO {database}.{names[block.table]} ({columns}) VALUES",
+                       pool.block("bench", block), columnar=True, settings=settings)
+
+    with ThreadPoolExecutor(lanes) as executor:
+        list(executor.map(lambda _: insert(blocks[0]), range(lanes)))  # connect (deduplicated)
+        c0, s0, t0 = self_cpu_seconds(), servers.cpu(), time.perf_counter()
+        list(executor.map(insert, blocks))
+        t1, c1, s1 = time.perf_counter(), self_cpu_seconds(), servers.cpu()
+    stored = int(ch_client(host, ports[0]).execute(
+        f"SELECT sum(rows) FROM system.parts WHERE database = '{database}' AND active "
+        f"AND table LIKE 'j{generation}\\_%'")[0][0] or 0)
+    sizes = sorted(b.messages.size for b in blocks)
+    return Result(f"raw insert, job blocks x{lanes}", rows.rows, t1 - t0, c1 - c0, s1 - s0,
+                  rows.encoded_row_bytes,
+                  f"{len(blocks)} blocks of {sizes[0] * rows.rows_per_message:,}-"
+                  f"{sizes[-1] * rows.rows_per_message:,} rows, {lanes} at a time, "
+                  f"quorum {quorum}, {stored:,} rows stored")
+
+
 def kafka_engine(rows: Rows, client: Any, bootstrap: str, topic: str, database: str,
                  consumers: int, timeout: float, idle: list[float], stall_s: float = 30.0
                  ) -> Callable[[], str]:
@@ -196,6 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows-per-message", type=int, default=10)
     ap.add_argument("--block-rows", type=int, default=100_000)
     ap.add_argument("--kafka-consumers", type=int, default=1)
+    ap.add_argument("--job-block-rows", type=int, default=100_000,
+                    help="the job's blocks.max_rows, for the raw insert of the job's blocks")
+    ap.add_argument("--same-blocks-lanes", default="1,8",
+                    help="comma list: inserts at a time for the raw insert of the job's "
+                    "blocks (one line each; empty: skip)")
+    ap.add_argument("--quorum", type=int, default=0,
+                    help="insert_quorum of the raw insert of the job's blocks (as the job's)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--skip-kafka-engine", action="store_true")
     ap.add_argument("--timeout", type=float, default=900)
@@ -226,6 +364,10 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: raw_consume(bootstrap, env_topic, args.partitions, rows.messages)),
         raw_insert(rows, client, f"{database}.raw", args.block_rows, servers),
     ]
+    ports = [int(p) for p in os.environ["BLOCKAGG_CH_PORTS"].split(",")]
+    for generation, lanes in enumerate(int(x) for x in args.same_blocks_lanes.split(",") if x):
+        results.append(raw_insert_job_blocks(rows, host, ports, database, args.job_block_rows,
+                                              lanes, args.quorum, servers, generation))
     if not args.skip_kafka_engine:
         idle = [0.0]
         engine = measure(

@@ -156,8 +156,9 @@ _SIZE_UNITS: Final[Mapping[str, int]] = {
 _QUANTITY: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 
 
-def parse_duration(value: object, path: str = "duration") -> float:
-    """Seconds from ``1.5``, ``"500ms"``, ``"1s"``, ``"2 minutes"``; must be > 0."""
+def parse_duration(value: object, path: str = "duration", zero: bool = False) -> float:
+    """Seconds from ``1.5``, ``"500ms"``, ``"1s"``, ``"2 minutes"``; must be > 0 (or
+    ``>= 0`` with ``zero``)."""
     if isinstance(value, bool):
         raise ConfigError(f"{path}: expected a duration like \"1s\" or \"500ms\", got {value!r}")
     if isinstance(value, int | float):
@@ -173,8 +174,9 @@ def parse_duration(value: object, path: str = "duration") -> float:
         seconds = float(match.group(1)) * _DURATION_UNITS.get(unit, 1.0)
     else:
         raise ConfigError(f"{path}: expected a duration like \"1s\", got {value!r}")
-    if not seconds > 0:
-        raise ConfigError(f"{path}: must be greater than 0, got {value!r}")
+    if not (seconds >= 0 if zero else seconds > 0):
+        raise ConfigError(f"{path}: must be {'0 or more' if zero else 'greater than 0'}, "
+                          f"got {value!r}")
     return seconds
 
 
@@ -286,6 +288,8 @@ class ClickHouseConfig:
     send_receive_timeout: float = 300.0
     retries: int = 5
     retry_backoff: float = 1.0
+    insert_concurrency: int = 4
+    ping_after_idle: float = 5.0
     secure: bool = False
     verify: bool = True
     ca_certs: str | None = None
@@ -299,7 +303,9 @@ class ClickHouseConfig:
             f"insert_quorum_timeout={self.insert_quorum_timeout}, "
             f"connect_timeout={self.connect_timeout}, "
             f"send_receive_timeout={self.send_receive_timeout}, retries={self.retries}, "
-            f"retry_backoff={self.retry_backoff}, secure={self.secure}, verify={self.verify}, "
+            f"retry_backoff={self.retry_backoff}, "
+            f"insert_concurrency={self.insert_concurrency}, "
+            f"ping_after_idle={self.ping_after_idle}, secure={self.secure}, verify={self.verify}, "
             f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r}, "
             f"allow_small_dedup_window={self.allow_small_dedup_window})"
         )
@@ -528,6 +534,10 @@ def _bool(value: object, path: str) -> bool:
 
 def _duration(value: object, path: str) -> float:
     return parse_duration(value, path)
+
+
+def _duration_or_zero(value: object, path: str) -> float:
+    return parse_duration(value, path, zero=True)
 
 
 def _size(value: object, path: str) -> int:
@@ -857,6 +867,8 @@ def from_dict(
         send_receive_timeout=ch_t.take("send_receive_timeout", _duration, 300.0),
         retries=ch_t.take("retries", _int(0), 5),
         retry_backoff=ch_t.take("retry_backoff", _duration, 1.0),
+        insert_concurrency=ch_t.take("insert_concurrency", _int(1, 64), 4),
+        ping_after_idle=ch_t.take("ping_after_idle", _duration_or_zero, 5.0),
         secure=ch_t.take("secure", _bool, False),
         verify=ch_t.take("verify", _bool, True),
         ca_certs=ch_t.take("ca_certs", _nonempty, None),

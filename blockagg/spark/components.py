@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from blockagg.aggregator.config import Config, TopicConfig
-from blockagg.aggregator.core.model import BlockSink, Fence, MetadataStore
+from blockagg.aggregator.core.model import BlockSink, Fence, Lanes, MetadataStore
 from blockagg.aggregator.exceptions import BlockaggError
 
 
@@ -112,6 +112,19 @@ class DefaultComponents:
         return int(describer(config, topic).dedup_mode())
 
 
+def insert_lanes(config: Config) -> Lanes:
+    """How many inserts of one seal event run at once (``clickhouse.insert_concurrency``):
+    threads kept per worker process, so each lane's connections stay warm."""
+    from blockagg.aggregator.core.protocol import SERIAL
+    from blockagg.aggregator.lanes import ThreadLanes
+
+    width = config.clickhouse.insert_concurrency
+    if width == 1:
+        return SERIAL
+    lanes: Lanes = cached(("lanes", str(width)), lambda: ThreadLanes(width))
+    return lanes
+
+
 class Attempt(MetadataStore, Fence, Protocol):
     """A metadata store bound to one task attempt at one partition, which fenced every
     older attempt when it opened (``aggregator.kafka.fencing.FencedAttempt``)."""
@@ -146,6 +159,7 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
         backoff_initial_s=ch.retry_backoff,
         connect_timeout_s=ch.connect_timeout,
         send_receive_timeout_s=ch.send_receive_timeout,
+        ping_after_idle_s=ch.ping_after_idle,
         dead_letter_table=config.dead_letters.table,
         extra_settings=dict(ch.settings),
     ))

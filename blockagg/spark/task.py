@@ -22,6 +22,7 @@ it, so the final metadata of that range is still committed.
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -52,6 +53,7 @@ from blockagg.spark.components import (
     TableRegistry,
     cached,
     describer,
+    insert_lanes,
     open_attempt,
 )
 from blockagg.spark.exceptions import TaskContractError
@@ -311,8 +313,11 @@ class _MeasuredStore:
 
 
 class _MeasuredSink:
+    """Figures of the inserts; ``insert`` may run on several insert lanes at once."""
+
     def __init__(self, inner: BlockSink) -> None:
         self.inner = inner
+        self._lock = threading.Lock()
         self.seconds: list[tuple[str, float]] = []
         self.inserted: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         self.block_rows: list[int] = []
@@ -325,15 +330,17 @@ class _MeasuredSink:
         except Exception as exc:
             code = _error_code(exc)
             if code is not None:
-                self.errors[code] += 1
+                with self._lock:
+                    self.errors[code] += 1
             raise
-        self.seconds.append((block.table, time.perf_counter() - start))
-        figures = self.inserted[block.table]
-        figures[0] += block.rows
-        figures[1] += block.size
-        figures[2] += 1
-        figures[3] += int(block.replay)
-        self.block_rows.append(block.rows)
+        with self._lock:
+            self.seconds.append((block.table, time.perf_counter() - start))
+            figures = self.inserted[block.table]
+            figures[0] += block.rows
+            figures[1] += block.size
+            figures[2] += 1
+            figures[3] += int(block.replay)
+            self.block_rows.append(block.rows)
 
 
 def run_range(
@@ -406,7 +413,7 @@ def _run_attempt(
     thresholds = Thresholds(config.blocks.max_rows, config.blocks.max_bytes,
                             config.job.offset_metadata_max_bytes)
     plan = plan_batch(batch, committed, thresholds, ctx.run_id, ctx.batch_id)
-    report = run_batch(plan, store, sink, attempt)
+    report = run_batch(plan, store, sink, attempt, insert_lanes(config))
     consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dead_letters: dict[str, int] = defaultdict(int)
     for i, message in enumerate(batch.payloads):

@@ -169,3 +169,65 @@ def test_a_window_below_the_need_is_refused_naming_table_window_and_need(
     assert writer.check_tables([small], DedupNeed(8, None, 1000)) == []
     [warning] = writer.check_tables([small], need, allow_small_window=True)
     assert "below the 32 blocks" in warning
+
+
+def test_a_recently_used_connection_skips_the_ping_and_a_dead_one_is_retried(
+        stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str,
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import threading
+    from dataclasses import replace
+
+    from blockagg.aggregator.clickhouse.writer import _recently_used_connection
+    from blockagg.aggregator.core.metadata import DedupMode, Pins
+
+    fds = row_fds(tmp_path)
+    table = f"{ch_database}.pings"
+    for c in ch_replicas:
+        c.execute(f"CREATE TABLE {table} ({COLUMNS_1816}) ENGINE = "
+                  f"{replicated_engine(ch_database, 'pings')}")
+    store = MemoryStore()
+    register(store, table, "it.v1.Row", fds)
+    describer = writer_for(stack_env)
+    plans = Plans(Registry.load(store), lambda t: describer.describe(t).columns)
+    rows = make_rows(fds, 30)
+    msgs = [Message(10 + i, 1_700_000_000_000, make_envelope(table, rows[i * 10:i * 10 + 10], 1))
+            for i in range(3)]
+    prepared = prepare("topic", 0, msgs, plans, dead_letter_table="x.y")
+    batch = Batch("topic", 0, 10, 13, prepared.offsets, prepared.table_ids,
+                  prepared.row_counts, prepared.sizes, prepared.payloads, prepared.tables,
+                  pins=Pins(dedup=DedupMode.BLOCK_HASH))
+    tid = int(prepared.table_ids[0])
+    blocks = [Block("topic", 0, tid, table, 10 + i, 10 + i, np.array([i]), 10, 0,
+                    block_token("topic", 0, table, 10 + i, 10 + i)) for i in range(3)]
+
+    pings: list[int] = []
+    connection = _recently_used_connection()
+    real_ping = connection.ping  # type: ignore[attr-defined]
+
+    def counted(self: Any) -> Any:
+        pings.append(1)
+        return real_ping(self)
+
+    monkeypatch.setattr(connection, "ping", counted)
+    warm = writer_for(stack_env, ping_after_idle_s=60.0)
+    for block in blocks[:2]:
+        warm.insert(block, batch)
+    assert pings == []  # connected once, then used within seconds: no ping
+
+    # The server side of the connection goes away: the send fails and the identical
+    # block is retried (on the other replica), landing once.
+    client = warm._clients[(threading.get_ident(), warm._current_replica())]
+    client.connection.socket.shutdown(socket.SHUT_RDWR)  # type: ignore[attr-defined]
+    warm.insert(blocks[2], batch)
+    warm.insert(blocks[2], batch)
+
+    always = writer_for(stack_env, ping_after_idle_s=0.0)
+    always.insert(blocks[0], batch)
+    always.insert(replace(blocks[0]), batch)
+    assert len(pings) >= 2  # ping_after_idle 0: a ping before each query, as before
+    for c in ch_replicas:
+        c.execute(f"SYSTEM SYNC REPLICA {table}")
+        assert c.execute(f"SELECT count(), uniqExact(_offset) FROM {table}") == [(30, 3)]
+    for w in (warm, always, describer):
+        w.close()

@@ -104,6 +104,16 @@ def test_durations_and_sizes() -> None:
     assert c.blocks.max_bytes == 1 << 20
 
 
+def test_insert_lanes_and_ping_settings() -> None:
+    assert (cfg("").clickhouse.insert_concurrency, cfg("").clickhouse.ping_after_idle) == (4, 5.0)
+    c = cfg('\n[clickhouse]\ninsert_concurrency = 1\nping_after_idle = "0s"\n')
+    assert (c.clickhouse.insert_concurrency, c.clickhouse.ping_after_idle) == (1, 0.0)
+    refused(MINIMAL + "\n[clickhouse]\ninsert_concurrency = 0\n",
+            r"clickhouse\.insert_concurrency: must be >= 1 and <= 64, got 0")
+    refused(MINIMAL + "\n[clickhouse]\nping_after_idle = -1\n",
+            r"clickhouse\.ping_after_idle: must be 0 or more, got -1")
+
+
 @pytest.mark.parametrize(
     ("extra", "pattern"),
     [

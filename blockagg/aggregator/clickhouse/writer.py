@@ -32,6 +32,7 @@ import functools
 import logging
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -208,6 +209,10 @@ class WriterConfig:
     use_numpy: bool = True
     """Send blocks whose columns are numpy arrays through clickhouse-driver's numpy
     mode (when the driver's numpy extras, i.e. pandas, are installed)."""
+    ping_after_idle_s: float = 5.0
+    """clickhouse-driver pings the server before every query; a connection that
+    carried a query less than this many seconds ago skips the ping (0: always ping).
+    A connection that died meanwhile fails the send, which is retried identically."""
 
     def __post_init__(self) -> None:
         if not self.replicas:
@@ -216,16 +221,67 @@ class WriterConfig:
             raise ConfigError("need at least one ClickHouse replica (host:port) for the shard")
 
 
+@functools.cache
+def _recently_used_connection() -> type:
+    """clickhouse-driver's ``Connection`` without the ping before a query on a
+    connection that carried one within ``ping_after_idle_s``.
+
+    The driver's ping (one round trip before every query) only notices a connection
+    the server closed, to reconnect before sending. A connection in use seconds ago is
+    open unless the server just went away; then the send fails with a network error
+    and the writer retries the identical block (on this or another replica), as after
+    any network error, so skipping the ping changes no outcome, only its cost."""
+    from clickhouse_driver.connection import Connection
+
+    class RecentlyUsedConnection(Connection):  # type: ignore[misc]
+        ping_after_idle_s = 0.0
+        used_at = float("-inf")
+
+        def force_connect(self) -> None:
+            """The driver's step before each query, pinging only an idle connection."""
+            self.check_query_execution()
+            self.ensure_connected()
+
+        def ensure_connected(self) -> None:
+            """Connect, or reconnect a connection idle for ``ping_after_idle_s`` or
+            more that does not answer a ping."""
+            now = time.monotonic()
+            if not self.connected:
+                self.connect()
+            elif now - self.used_at >= self.ping_after_idle_s and not self.ping():
+                log.info("connection to %s:%s was closed; reconnecting", *self.hosts[0])
+                self.connect()
+            self.used_at = now
+
+    return RecentlyUsedConnection
+
+
 def default_client_factory(config: WriterConfig) -> Callable[[Replica], Client]:
     from clickhouse_driver import Client as DriverClient
 
     def make(replica: Replica) -> Client:
-        client: Client = DriverClient(
+        client: Any = DriverClient(
             replica.host, port=replica.port, user=config.user, password=config.password,
             connect_timeout=config.connect_timeout_s,
             send_receive_timeout=config.send_receive_timeout_s)
-        return client
+        client.connection.__class__ = _recently_used_connection()
+        client.connection.ping_after_idle_s = config.ping_after_idle_s
+        made: Client = client
+        return made
     return make
+
+
+def connected_version(client: Client) -> tuple[int, ...]:
+    """The version of the server ``client`` is about to send to: for the writer's
+    clickhouse-driver client, from the connection's handshake (connecting, or pinging
+    an idle connection, first), without a query; else ``SELECT version()``."""
+    connection = getattr(client, "connection", None)
+    if hasattr(connection, "ensure_connected"):
+        assert connection is not None
+        connection.ensure_connected()
+        info = connection.server_info
+        return int(info.version_major), int(info.version_minor), int(info.version_patch)
+    return parse_version(str(client.execute("SELECT version()")[0][0]))
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -243,26 +299,35 @@ class TableInfo:
 
 
 class ClickHouseBlockWriter:
-    """Implements :class:`aggregator.core.model.BlockSink` for one shard."""
+    """Implements :class:`aggregator.core.model.BlockSink` for one shard.
+
+    Safe for inserts from several threads at once (the insert lanes,
+    ``aggregator.lanes``): each thread has its own connection to each replica."""
 
     def __init__(self, config: WriterConfig,
                  client_factory: Callable[[Replica], Client] | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.config = config
         self._factory = client_factory or default_client_factory(config)
-        self._clients: dict[Replica, Client] = {}
+        self._clients: dict[tuple[int, Replica], Client] = {}
+        self._clients_lock = threading.Lock()
         self._sleep = sleep
         self._preferred = 0
         self._server_version: tuple[int, ...] | None = None
 
     def _client(self, replica: Replica) -> Client:
-        client = self._clients.get(replica)
+        """This thread's client of ``replica``."""
+        key = (threading.get_ident(), replica)
+        client = self._clients.get(key)
         if client is None:
-            client = self._clients[replica] = self._factory(replica)
+            client = self._factory(replica)
+            with self._clients_lock:
+                self._clients[key] = client
         return client
 
-    def _drop(self, replica: Replica) -> None:
-        client = self._clients.pop(replica, None)
+    def _drop(self, replica: Replica, thread: int | None = None) -> None:
+        with self._clients_lock:
+            client = self._clients.pop((thread or threading.get_ident(), replica), None)
         if client is not None:
             try:
                 client.disconnect()
@@ -276,8 +341,8 @@ class ClickHouseBlockWriter:
         return replicas[self._preferred % len(replicas)]
 
     def close(self) -> None:
-        for replica in list(self._clients):
-            self._drop(replica)
+        for thread, replica in list(self._clients):
+            self._drop(replica, thread)
 
     def query(self, sql: str, params: Any = None) -> Any:
         """Run a read-only query on the first replica that answers."""
@@ -617,7 +682,7 @@ class ClickHouseBlockWriter:
     def _check_dedup_mode(client: Client, block: Block, dedup: int) -> None:
         """Right before each attempt: the replica about to receive a pinned block is
         on the pinned side of the token boundary (a failover may have moved it)."""
-        version = parse_version(str(client.execute("SELECT version()")[0][0]))
+        version = connected_version(client)
         if (version >= TOKEN_MIN_VERSION) != (dedup == DedupMode.TOKEN):
             raise DedupModeMismatch(
                 f"block {block.token} is pinned to {DedupMode(dedup).name} deduplication, "

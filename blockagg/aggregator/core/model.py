@@ -9,7 +9,7 @@ in ``[first, last]`` of one partition, identified by positions into the batch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -133,6 +133,20 @@ class Fence(Protocol):
     a newer one has overtaken inserts nothing (``aggregator.kafka.fencing``)."""
 
     def confirm(self, topic: str, partition: int) -> None: ...
+
+
+class Lanes(Protocol):
+    """How the inserts of one seal event run: one after another (``SERIAL``,
+    ``aggregator.core.protocol``) or several at once (``aggregator.lanes.ThreadLanes``).
+
+    ``run`` returns only once every insert it started has ended; if any raised, it
+    starts no further insert and raises the first failure (in the order given), so
+    the batch fails and its retry replays the event. The blocks of one event are
+    listed by the intent committed before it and belong to distinct tables, so the
+    order among them changes nothing (``docs/protocol.md``, *Concurrent inserts*).
+    """
+
+    def run(self, inserts: Sequence[Callable[[], None]]) -> None: ...
 
 
 class BlockSink(Protocol):

@@ -23,7 +23,7 @@ hold; in short:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -54,6 +54,7 @@ from blockagg.aggregator.core.model import (
     BlockSink,
     Committed,
     Fence,
+    Lanes,
     MetadataStore,
     Thresholds,
 )
@@ -460,26 +461,66 @@ def plan_batch(
     )
 
 
+class _Serial:
+    """The inserts of an event one after another, stopping at the first failure."""
+
+    def run(self, inserts: Sequence[Callable[[], None]]) -> None:
+        for insert in inserts:
+            insert()
+
+
+SERIAL: Lanes = _Serial()
+"""One insert at a time: the executor's behaviour before concurrent inserts, and the
+one ``clickhouse.insert_concurrency = 1`` selects."""
+
+
+def steps(plan: Plan) -> Iterator[CommitMetadata | tuple[InsertBlock, ...]]:
+    """The plan's operations as the executor runs them: each commit alone, then the
+    inserts that follow it (one seal event's blocks) together. Every insert group
+    comes after the commit that lists its blocks and ends before the next commit."""
+    group: list[InsertBlock] = []
+    for operation in plan:
+        if isinstance(operation, InsertBlock):
+            group.append(operation)
+            continue
+        if group:
+            yield tuple(group)
+            group = []
+        yield operation
+    if group:
+        yield tuple(group)
+
+
 def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink,
-              fence: Fence | None = None) -> BatchReport:
+              fence: Fence | None = None, lanes: Lanes = SERIAL) -> BatchReport:
     """Execute the plan's operations in order; any error propagates at once.
 
     A batch interrupted anywhere is safe to run again from a fresh plan: the next plan
     reads the last commit that went through and rebuilds its blocks identically. With
     a ``fence``, each insert is preceded by ``fence.confirm``: an attempt overtaken by a
-    newer one stops before inserting (invariant 6).
+    newer one stops before inserting (invariant 6). ``lanes`` runs the inserts of one
+    seal event, all listed by the intent just committed, one after another or several
+    at once; every one of them is acknowledged before the next commit is sent, so a
+    commit never moves the resume offset past a block still in flight (invariant 4).
     """
     batch = protocol.batch
     commits = blocks = replayed = rows = size = messages = 0
-    for operation in protocol:
-        if isinstance(operation, CommitMetadata):
-            store.commit(operation.topic, operation.partition, operation.offset, operation.text)
-            commits += 1
-        else:
-            block = operation.block
+
+    def insert(block: Block) -> Callable[[], None]:
+        def run() -> None:
             if fence is not None:
                 fence.confirm(batch.topic, batch.partition)
             sink.insert(block, batch)
+        return run
+
+    for step in steps(protocol):
+        if isinstance(step, CommitMetadata):
+            store.commit(step.topic, step.partition, step.offset, step.text)
+            commits += 1
+            continue
+        lanes.run([insert(operation.block) for operation in step])
+        for operation in step:
+            block = operation.block
             blocks += 1
             replayed += block.replay
             rows += block.rows
@@ -511,9 +552,10 @@ def process_batch(
     run: int,
     batch_id: int,
     fence: Fence | None = None,
+    lanes: Lanes = SERIAL,
 ) -> BatchReport:
     """Read the partition's last commit, plan the batch and run it: the whole protocol
     for one partition of one micro-batch."""
     committed = store.committed(batch.topic, batch.partition)
     return run_batch(plan_batch(batch, committed, thresholds, run, batch_id), store, sink,
-                     fence)
+                     fence, lanes)

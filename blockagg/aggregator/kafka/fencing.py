@@ -131,6 +131,26 @@ def producer_settings(store_settings: Mapping[str, Any], tid: str,
     return settings
 
 
+class IdleProducers:
+    """Transactional producers kept between the attempts of one process, by
+    transactional id: a partition's next task in the same Python worker reuses the
+    producer instead of starting one and calling ``init_transactions()`` (about
+    60 ms a task, docs/BENCHMARKS.md), once it has shown that the producer still holds
+    the id's newest epoch (:meth:`FencedAttempt._still_current`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[str, TransactionalProducer] = {}
+
+    def take(self, tid: str) -> TransactionalProducer | None:
+        with self._lock:
+            return self._idle.pop(tid, None)
+
+    def keep(self, tid: str, producer: TransactionalProducer) -> None:
+        with self._lock:
+            self._idle[tid] = producer
+
+
 class FencedAttempt:
     """One task attempt's hold on one partition; a :class:`MetadataStore` for it.
 
@@ -153,6 +173,7 @@ class FencedAttempt:
         backoff: float = 0.1,
         sleep: Callable[[float], None] = time.sleep,
         hang_grace_s: float = HUNG_CALL_GRACE_S,
+        idle: IdleProducers | None = None,
     ) -> None:
         self.store = store
         self.topic = topic
@@ -165,6 +186,17 @@ class FencedAttempt:
         self._hang_after = store.timeout + hang_grace_s
         self._hung = False
         self._written: Committed | None = None
+        self._confirm_lock = threading.Lock()
+        self._reads_begun = 0
+        self._confirmed_by = 0
+        self._idle = idle
+        self._reusable = True
+        self.reused = False
+        kept = idle.take(self.transactional_id) if idle is not None else None
+        if kept is not None and self._still_current(kept):
+            self._producer = kept
+            self.reused = True
+            return
         self._producer = producer_factory(producer_settings(
             store.settings, self.transactional_id, transaction_timeout_ms))
         try:
@@ -178,6 +210,7 @@ class FencedAttempt:
             self._bounded(lambda: self._producer.init_transactions(self._timeout),
                           "init_transactions")
         except KafkaException as exc:
+            self._reusable = False
             raise MetadataCommitError(
                 f"{self._where}: could not initialise the transactional id "
                 f"{self.transactional_id!r} that fences older attempts: {exc}. The brokers "
@@ -202,6 +235,29 @@ class FencedAttempt:
                 "is safe to run again.")
             logs.event(log, "transactional call hung", level=30, error=str(error))
             raise error from None
+
+    def _still_current(self, producer: TransactionalProducer) -> bool:
+        """Whether a producer kept from an earlier attempt still holds the id's newest
+        epoch: one transaction carrying an offset commit of the partition, aborted (so
+        nothing of it is ever visible to ``read_committed`` readers), which the
+        transaction coordinator refuses if any producer initialised the id since. If
+        it went through, every older attempt is fenced exactly as by
+        ``init_transactions()``; else the caller starts a fresh producer."""
+        probe = [TopicPartition(self.topic, self.partition, 0, metadata="")]
+        try:
+            producer.begin_transaction()
+            self._bounded(lambda: producer.send_offsets_to_transaction(
+                probe, self.store.group_metadata(), self._timeout),
+                "send_offsets_to_transaction")
+            self._bounded(lambda: producer.abort_transaction(self._timeout),
+                          "abort_transaction")
+        except MetadataCommitError:
+            _ABANDONED.append(producer)
+            self._hung = False
+            return False
+        except KafkaException:
+            return False
+        return True
 
     @property
     def _where(self) -> str:
@@ -235,12 +291,14 @@ class FencedAttempt:
                               clock=self.store.clock)
         for tries in range(self._retries + 1):
             try:
+                self._reusable = False  # until the transaction has ended
                 self._producer.begin_transaction()
                 self._bounded(lambda: self._producer.send_offsets_to_transaction(
                     position, group, self._timeout), "send_offsets_to_transaction")
                 self._bounded(lambda: self._producer.commit_transaction(self._timeout),
                               "commit_transaction")
                 self._written = Committed(offset=offset, metadata=metadata)
+                self._reusable = True
                 return
             except KafkaException as exc:
                 error = _error_of(exc)
@@ -283,8 +341,22 @@ class FencedAttempt:
     def confirm(self, topic: str, partition: int) -> None:
         """Raise :class:`AttemptFenced` unless the partition's last commit is still the
         one this attempt wrote: called before each insert, so an attempt whose partition
-        has moved on (a newer attempt committed since) inserts nothing."""
+        has moved on (a newer attempt committed since) inserts nothing.
+
+        Safe from several insert lanes at once: callers that arrive while a read is in
+        flight share the next read, which begins after they asked, so every insert is
+        still preceded by a read of the partition taken after the insert was ready."""
         self._check(topic, partition)
+        asked = self._reads_begun
+        with self._confirm_lock:
+            if self._confirmed_by > asked:
+                return
+            self._reads_begun += 1
+            read = self._reads_begun
+            self._read_and_compare(topic, partition)
+            self._confirmed_by = read
+
+    def _read_and_compare(self, topic: str, partition: int) -> None:
         last = self.store.committed(topic, partition)
         written = self._written
         if (written is None or last is None or last.offset != written.offset
@@ -295,11 +367,17 @@ class FencedAttempt:
                 f"({shown} now); the block was not inserted")
 
     def close(self) -> None:
-        """Drop the producer (it holds no messages: only offset commits); one whose call
-        hung is kept instead (:data:`_ABANDONED`)."""
+        """Keep the producer for the partition's next attempt in this process (with
+        ``idle``), unless a Kafka error touched it; one whose call hung is abandoned,
+        never destroyed (:data:`_ABANDONED`); else drop it (it holds no messages: only
+        offset commits, each one a finished transaction)."""
+        producer = self.__dict__.pop("_producer", None)
+        if producer is None:
+            return
         if self._hung:
-            _ABANDONED.append(self._producer)
-        del self._producer
+            _ABANDONED.append(producer)
+        elif self._idle is not None and self._reusable:
+            self._idle.keep(self.transactional_id, producer)
 
     def __enter__(self) -> FencedAttempt:
         return self

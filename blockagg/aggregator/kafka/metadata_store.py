@@ -45,7 +45,7 @@ _NO_OFFSET: Final = 0
 log = logs.get("metadata")
 
 if TYPE_CHECKING:
-    from blockagg.aggregator.kafka.fencing import FencedAttempt
+    from blockagg.aggregator.kafka.fencing import FencedAttempt, IdleProducers
 
 R = TypeVar("R")
 
@@ -117,6 +117,7 @@ class KafkaMetadataStore:
         self.timeout = timeout
         self._sleep = sleep
         self.clock = clock
+        self._idle_producers: IdleProducers | None = None
 
     def _retrying(self, attempt: Callable[[], R], what: str) -> R:
         """``attempt()`` until it succeeds, a non-retriable error or the last retry;
@@ -195,10 +196,13 @@ class KafkaMetadataStore:
 
     def attempt(self, topic: str, partition: int) -> FencedAttempt:
         """Open a fenced attempt at the partition (``fencing.FencedAttempt``): every
-        older attempt's commits and inserts are refused from now on."""
-        from blockagg.aggregator.kafka.fencing import FencedAttempt
+        older attempt's commits and inserts are refused from now on. The partition's
+        producer is kept between attempts in this process (``fencing.IdleProducers``)."""
+        from blockagg.aggregator.kafka.fencing import FencedAttempt, IdleProducers
 
-        return FencedAttempt(self, topic, partition)
+        if self._idle_producers is None:
+            self._idle_producers = IdleProducers()
+        return FencedAttempt(self, topic, partition, idle=self._idle_producers)
 
     def close(self) -> None:
         """Leave the broker connection; the store is unusable afterwards."""

@@ -8,15 +8,23 @@ is among the table's last ``window`` tokens is dropped
 
 from __future__ import annotations
 
+import random
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from blockagg.aggregator.core.metadata import NO_PINS, Metadata, Pins, decode, is_blockagg
-from blockagg.aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
-from blockagg.aggregator.core.protocol import Plan, run_batch
+from blockagg.aggregator.core.model import (
+    Batch,
+    Block,
+    BlockSink,
+    Committed,
+    Lanes,
+    MetadataStore,
+)
+from blockagg.aggregator.core.protocol import SERIAL, Plan, run_batch
 
 Message = tuple[int, int, int]
 """(offset, table id, rows) of one Kafka message."""
@@ -153,16 +161,42 @@ class Crasher:
         self.count += 1
 
 
+class InFlightLanes:
+    """Concurrent insert lanes, modelled deterministically: an event's inserts run in
+    a seeded random order (any order lanes could finish them in), and when one fails,
+    a seeded random share of the others still lands (they were already in flight),
+    before the first failure is raised, as :class:`~aggregator.lanes.ThreadLanes`
+    does. Every subset of an event's blocks can thus be in ClickHouse when it fails."""
+
+    def __init__(self, seed: int) -> None:
+        self.random = random.Random(seed)
+
+    def run(self, inserts: Sequence[Callable[[], None]]) -> None:
+        order = list(range(len(inserts)))
+        self.random.shuffle(order)
+        failures: dict[int, BaseException] = {}
+        for index in order:
+            if failures and self.random.random() < 0.5:
+                continue
+            try:
+                inserts[index]()
+            except Crash as exc:
+                failures[index] = exc
+        if failures:
+            raise failures[min(failures)]
+
+
 def run_crashing(
-    plan: Plan, store: MetadataStore, sink: BlockSink, at: int | None, after: bool = False
+    plan: Plan, store: MetadataStore, sink: BlockSink, at: int | None, after: bool = False,
+    lanes: Lanes = SERIAL,
 ) -> bool:
     """Run ``plan``, crashing at operation ``at`` if given; True if it completed."""
     if at is None:
-        run_batch(plan, store, sink)
+        run_batch(plan, store, sink, lanes=lanes)
         return True
     crasher = Crasher(store, sink, at, after)
     try:
-        run_batch(plan, crasher, crasher)
+        run_batch(plan, crasher, crasher, lanes=lanes)
     except Crash:
         return False
     return True

@@ -4,7 +4,9 @@ random batches (before or after a commit, before or after an insert, an insert
 applied whose acknowledgement is lost), each followed by a retry that reuses the
 batch's range (a Spark task retry) or plans a new one from the committed resume
 offset, possibly starting below it (a lost checkpoint). Every run must end with every
-row in ClickHouse exactly once and a commit history the verifier accepts."""
+row in ClickHouse exactly once and a commit history the verifier accepts. The same
+holds with an event's inserts run concurrently (``InFlightLanes``: any order, and any
+subset of the event's blocks landed when one of them fails)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockagg.aggregator.core.exceptions import BatchEndsInsideReplayBlock
-from blockagg.aggregator.core.model import Thresholds
-from blockagg.aggregator.core.protocol import plan_batch
+from blockagg.aggregator.core.model import Lanes, Thresholds
+from blockagg.aggregator.core.protocol import SERIAL, plan_batch
 from tests.unit.core.fakes import (
     DedupSink,
+    InFlightLanes,
     MemoryMetadataStore,
     Message,
     expected_rows,
@@ -36,6 +39,8 @@ class Scenario:
     backs: list[int]
     crashes: list[tuple[int, bool, bool]]
     """(operation index, after the operation, retry the same range)"""
+    seed: int = 0
+    """Of the concurrent lanes' order and of which in-flight inserts land."""
 
 
 @st.composite
@@ -62,12 +67,24 @@ def scenarios(draw: st.DrawFn) -> Scenario:
             max_size=6,
         )
     )
-    return Scenario(messages, log_end, thresholds, sizes, backs, crashes)
+    seed = draw(st.integers(min_value=0, max_value=2**32 - 1))
+    return Scenario(messages, log_end, thresholds, sizes, backs, crashes, seed)
 
 
 @settings(max_examples=400, derandomize=True, deadline=None)
 @given(scenarios())
 def test_any_crash_sequence_ends_with_every_row_exactly_once(scenario: Scenario) -> None:
+    deliver_through_crashes(scenario, SERIAL)
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(scenarios())
+def test_any_crash_sequence_with_concurrent_inserts_ends_with_every_row_exactly_once(
+        scenario: Scenario) -> None:
+    deliver_through_crashes(scenario, InFlightLanes(scenario.seed))
+
+
+def deliver_through_crashes(scenario: Scenario, lanes: Lanes) -> None:
     store, sink = MemoryMetadataStore(), DedupSink(window=100)
     crashes = list(scenario.crashes)
     retry_range: tuple[int, int] | None = None
@@ -93,7 +110,7 @@ def test_any_crash_sequence_ends_with_every_row_exactly_once(scenario: Scenario)
             plan = plan_batch(batch, committed, scenario.thresholds, step % 3, batch_id)
         crash = crashes.pop(0) if crashes else None
         at, after, same_range = crash if crash is not None else (None, False, False)
-        completed = run_crashing(plan, store, sink, at, after)
+        completed = run_crashing(plan, store, sink, at, after, lanes)
         retry_range = (start, end) if not completed and same_range else None
     else:
         raise AssertionError("the stream was not fully delivered within 300 batches")

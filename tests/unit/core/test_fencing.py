@@ -313,3 +313,53 @@ def test_a_transactional_call_that_hangs_past_its_timeout_ends_the_attempt() -> 
         "'blockagg.g.t.2' did not return within 0.1s although given 0.05s")
     assert "the next one fences it" in str(info.value)
     assert coordinator.history == []  # never committed while the attempt waited
+
+
+def test_a_partitions_next_attempt_reuses_the_producer_and_the_fence_still_holds() -> None:
+    from blockagg.aggregator.kafka.fencing import IdleProducers
+
+    coordinator = Coordinator()
+    store, elsewhere = store_and_opener(coordinator)
+    idle = IdleProducers()
+    made: list[TxnProducer] = []
+
+    def here(topic: str, partition: int) -> FencedAttempt:
+        def factory(settings: dict[str, Any]) -> TxnProducer:
+            made.append(TxnProducer(coordinator, settings))
+            return made[-1]
+        return FencedAttempt(store, topic, partition, sleep=lambda _: None, idle=idle,
+                             producer_factory=factory)
+
+    first = here("t", 0)
+    first.commit("t", 0, 10, "ba1:first")
+    first.close()
+    second = here("t", 0)  # the same worker's next task at the partition
+    assert second.reused and len(made) == 1 and coordinator.epochs == {"blockagg.g.t.0": 0}
+    assert coordinator.offsets[("t", 0)] == (10, "ba1:first")  # the probe left nothing
+    assert coordinator.history == ["ba1:first"]
+    with pytest.raises(AttemptFenced):
+        second.confirm("t", 0)  # a reused producer starts with nothing written
+    second.commit("t", 0, 11, "ba1:second")
+    second.close()
+
+    # Another worker's attempt initialises the id: the kept producer is stale, so the
+    # next attempt here starts a fresh one, which fences that other attempt.
+    other = elsewhere("t", 0)
+    third = here("t", 0)
+    assert not third.reused and len(made) == 2 and coordinator.epochs["blockagg.g.t.0"] == 2
+    with pytest.raises(AttemptFenced):
+        other.commit("t", 0, 12, "ba1:other")
+    third.commit("t", 0, 12, "ba1:third")
+    third.close()
+
+    # A reused producer is fenced by a newer attempt like a fresh one.
+    fourth = here("t", 0)
+    assert fourth.reused
+    newer = elsewhere("t", 0)
+    with pytest.raises(AttemptFenced):
+        fourth.commit("t", 0, 13, "ba1:fourth")
+    fourth.close()  # a producer that met an error is not kept
+    newer.commit("t", 0, 13, "ba1:newer")
+    fifth = here("t", 0)
+    assert not fifth.reused and len(made) == 3
+    assert coordinator.history == ["ba1:first", "ba1:second", "ba1:third", "ba1:newer"]

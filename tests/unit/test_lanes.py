@@ -1,0 +1,164 @@
+"""Insert lanes (``aggregator.lanes``): an event's inserts run at once, at most
+``width`` of them, the call returns only when every started insert has ended, and
+the first failure (in plan order) is raised; the fence's confirm is shared safely by
+concurrent lanes; the executor still commits before and after each event."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from blockagg.aggregator.core.model import Batch, Block, Thresholds
+from blockagg.aggregator.core.protocol import CommitMetadata, plan_batch, run_batch, steps
+from blockagg.aggregator.exceptions import ConfigError
+from blockagg.aggregator.kafka.exceptions import AttemptFenced
+from blockagg.aggregator.lanes import ThreadLanes
+from tests.unit.core.fakes import DedupSink, MemoryMetadataStore, make_batch
+from tests.unit.core.test_fencing import Coordinator, store_and_opener
+
+WAIT = 60.0
+"""A safety net against a hang if a test's premise breaks; never reached when it holds."""
+
+
+def test_inserts_run_at_once_up_to_the_width() -> None:
+    lanes = ThreadLanes(3)
+    together = threading.Barrier(3, timeout=WAIT)
+    ran: list[int] = []
+
+    def insert(i: int) -> Callable[[], None]:
+        def run() -> None:
+            together.wait()  # only returns once three inserts run at the same time
+            ran.append(i)
+        return run
+
+    lanes.run([insert(i) for i in range(6)])
+    assert sorted(ran) == list(range(6))
+    lanes.close()
+
+
+def test_never_more_than_width_at_a_time() -> None:
+    lanes = ThreadLanes(2)
+    lock = threading.Lock()
+    running = [0, 0]  # now, most
+
+    def insert() -> None:
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        with lock:
+            running[0] -= 1
+
+    lanes.run([insert for _ in range(50)])
+    assert running == [0, running[1]] and 1 <= running[1] <= 2
+    lanes.close()
+
+
+def test_a_failure_is_raised_after_the_inserts_in_flight_ended() -> None:
+    lanes = ThreadLanes(2)
+    slow_started, first_failed = threading.Event(), threading.Event()
+    ended: list[str] = []
+
+    def failing() -> None:
+        assert slow_started.wait(WAIT)
+        first_failed.set()
+        raise RuntimeError("insert of block 0 failed")
+
+    def slow() -> None:
+        slow_started.set()
+        assert first_failed.wait(WAIT)
+        ended.append("slow")
+
+    with pytest.raises(RuntimeError, match="block 0"):
+        lanes.run([failing, slow])
+    assert ended == ["slow"]  # run() waited for the insert in flight
+    lanes.close()
+
+
+def test_the_first_failure_in_plan_order_is_raised() -> None:
+    lanes = ThreadLanes(2)
+    second_failed = threading.Event()
+
+    def first() -> None:
+        assert second_failed.wait(WAIT)
+        raise ValueError("first")
+
+    def second() -> None:
+        second_failed.set()
+        raise KeyError("second")
+
+    with pytest.raises(ValueError, match="first"):
+        lanes.run([first, second])
+    lanes.close()
+
+
+def test_width_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="insert concurrency must be >= 1, got 0"):
+        ThreadLanes(0)
+
+
+def test_steps_group_each_events_inserts_after_its_commit() -> None:
+    messages = [(o, 1 + o % 3, 1) for o in range(12)]
+    plan = plan_batch(make_batch(messages, 0, 12), None, Thresholds(3, 10**6), 1, 0)
+    kinds = ["commit" if isinstance(s, CommitMetadata) else len(s) for s in steps(plan)]
+    assert kinds == ["commit", 1, "commit", 1, "commit", 1, "commit", 3, "commit"]
+
+
+class RecordingSink(DedupSink):
+    """Blocks the inserts of the last event until all three run at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.together = threading.Barrier(3, timeout=WAIT)
+        self.lock = threading.Lock()
+
+    def insert(self, block: Block, batch: Batch) -> None:
+        self.together.wait()
+        with self.lock:
+            super().insert(block, batch)
+
+
+def test_run_batch_with_lanes_commits_around_concurrent_inserts() -> None:
+    coordinator = Coordinator()
+    store, attempt = store_and_opener(coordinator)
+    fenced = attempt("events", 0)
+    reads: list[int] = []
+    original = store.committed
+
+    def counted(topic: str, partition: int) -> Any:
+        reads.append(1)
+        return original(topic, partition)
+
+    store.committed = counted  # type: ignore[method-assign]
+    messages = [(o, 1 + o % 3, 1) for o in range(6)]
+    batch = make_batch(messages, 0, 6)
+    plan = plan_batch(batch, None, Thresholds(100, 10**6), 1, 0)
+    sink = RecordingSink()
+    report = run_batch(plan, fenced, sink, fenced, ThreadLanes(3))
+    assert report.blocks == 3 and report.rows == 6
+    assert sorted(b.table for b in sink.inserted) == ["db.t1", "db.t2", "db.t3"]
+    assert len(coordinator.history) == 2  # the intent, then the final commit
+    assert 1 <= len(reads) <= 3  # each insert confirmed, by its own read or a shared one
+
+
+def test_a_fenced_attempt_inserts_nothing_with_lanes() -> None:
+    coordinator = Coordinator()
+    _, attempt = store_and_opener(coordinator)
+    old = attempt("events", 0)
+    messages = [(o, 1 + o % 3, 1) for o in range(6)]
+    plan = plan_batch(make_batch(messages, 0, 6), None, Thresholds(100, 10**6), 1, 0)
+    sink = DedupSink()
+
+    class Overtaken(MemoryMetadataStore):
+        """The intent goes through, then a newer attempt commits."""
+
+        def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+            old.commit(topic, partition, offset, metadata)
+            newer = attempt("events", 0)
+            newer.commit(topic, partition, offset, metadata + "-newer")
+
+    with pytest.raises(AttemptFenced, match="no longer this attempt's intent"):
+        run_batch(plan, Overtaken(), sink, old, ThreadLanes(3))
+    assert sink.inserted == []
