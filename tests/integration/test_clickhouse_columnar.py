@@ -1,6 +1,7 @@
-"""The columnar path (numpy arrays through clickhouse-driver's numpy mode) against
-the real 18.16 replicas: a block sent by the old list path and then by the new path
-is deduplicated (same data hash), and the stored rows are the converted values."""
+"""The columnar path against the real 18.16 replicas: a block sent by the old list
+path, by clickhouse-driver's numpy mode, and by blockagg's own Native serialisation
+(NativeClient, the default) is deduplicated whichever sends it first (same data
+hash), and the stored rows are the converted values."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from clickhouse_driver import Client as DriverClient
 
+from blockagg.aggregator.clickhouse.native import NativeBlock
 from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
 from blockagg.aggregator.clickhouse.writer import (
     ClickHouseBlockWriter,
@@ -53,6 +56,11 @@ def test_old_and_new_path_blocks_deduplicate(stack_env: dict[str, str],
     register(store, table, ROW_MESSAGE, fds)
     old = writer_for(stack_env, use_numpy=False)
     new = writer_for(stack_env)
+    host = stack_env["BLOCKAGG_CH_HOST"]
+    numpy_mode = ClickHouseBlockWriter(
+        WriterConfig(replicas=tuple(Replica(host, int(p))
+                                    for p in stack_env["BLOCKAGG_CH_PORTS"].split(","))),
+        lambda r: DriverClient(r.host, port=r.port), sleep=lambda s: None)
     plans = Plans(Registry.load(store), lambda t: new.describe(t).columns)
     msgs = [Message(500 + k, 1_700_000_000_000, make_envelope(table, rows[i:i + 10], 1))
             for k, i in enumerate(range(0, 300, 10))]
@@ -71,9 +79,14 @@ def test_old_and_new_path_blocks_deduplicate(stack_env: dict[str, str],
 
     b1, batch1 = block(False, slice(0, 15))
     b2, batch2 = block(True, slice(0, 15))
-    assert new.block_data(b2, batch2).numpy
+    data = new.block_data(b2, batch2)
+    native = data.fresh(native=True)
+    assert data.numpy and isinstance(native, NativeBlock)
+    live = {c.name: c.type for c in new.describe(table).columns}
+    assert native.matches([(n, live[n]) for n in native.names])  # sent as encoded
     old.insert(b1, batch1)
     new.insert(b2, batch2)  # the same block by the new path: deduplicated
+    numpy_mode.insert(b2, batch2)  # and by the driver's numpy mode
     b3, batch3 = block(True, slice(15, 30))
     new.insert(b3, batch3)
     b4, batch4 = block(False, slice(15, 30))
@@ -93,5 +106,5 @@ def test_old_and_new_path_blocks_deduplicate(stack_env: dict[str, str],
         (150, -150, 150 * 10**12, 150 / 7, np.float32(150 / 3).item(), "", "DE",
          1_700_000_150, "KIND_CLICK", [0, 1], "topic", 2),
     ]
-    old.close()
-    new.close()
+    for w in (old, new, numpy_mode):
+        w.close()
