@@ -139,6 +139,24 @@ table = "{database}.dead_letters"
             "cpu_s_per_mrows": cpu / measured * 1e6, "rows_per_cpu_s": measured / cpu}
 
 
+def top_functions(path: Path, n: int) -> list[str]:
+    """Self time per leaf function inside ``run_range`` (py-spy's raw stacks), as %
+    of those samples."""
+    from collections import Counter
+
+    leaf: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if "run_range (" not in stack or not count.isdigit():
+            continue
+        frame = stack.split(";")[-1]
+        name = frame.split(" (")[0] + " (" + frame.split(" (")[-1].split(":")[0].split("/")[-1]
+        leaf[name + ")"] += int(count)
+        total += int(count)
+    return [f"  {100 * c / total:5.1f}%  {name}" for name, c in leaf.most_common(n)]
+
+
 def run_child(code: Path, args: argparse.Namespace, extra: Sequence[str] = ()
               ) -> dict[str, Any]:
     cmd = [*extra, sys.executable, str(Path(__file__).resolve()), "--child",
@@ -177,9 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = run_child(REPO, args, ["py-spy", "record", "-r", "200", "-f", "raw", "-o",
                                         str(args.profile), "--"])
         print(json.dumps(result))
-        from bench.bench_e2e import top_functions
-
-        print("\n".join(top_functions(args.profile, 25)))
+        print("\n".join(top_functions(args.profile, 30)))
         return 0
     codes = [("new", REPO)] if args.baseline is None else [
         ("base", args.baseline.resolve()), ("new", REPO)]
