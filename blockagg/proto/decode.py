@@ -264,8 +264,11 @@ def _fallback(descriptor: Descriptor, rows: Sequence[bytes] | _Rows, odd: I64,
             err[i] = _E_UTF8_UNCHECKED
             converted = None
         if converted is None:
-            for column in values.values():
-                column.append(None)
+            # A row upb rejects gets the values of an empty row: a column holds no
+            # null its field can't have, so converting the batch's columns does not
+            # trip over the row that is a dead letter anyway.
+            for fd in descriptor.fields:
+                values[fd.name].append(_empty_value(fd))
             continue
         err[i] = 0
         for name, value in converted.items():
@@ -279,6 +282,15 @@ def _fallback(descriptor: Descriptor, rows: Sequence[bytes] | _Rows, odd: I64,
         extra = pa.array(values[fd.name], type=arrow_type(fd))
         out[fd.name] = pa.concat_arrays([columns[fd.name], extra]).take(take)
     return out
+
+
+def _empty_value(fd: FieldDescriptor) -> Any:
+    """Field ``fd`` of an empty message, as :func:`arrow_type` lays it out."""
+    if is_repeated(fd):
+        return []
+    if _has_presence(fd) or fd.type in _MESSAGE_TYPES:
+        return None
+    return fd.default_value
 
 
 class _Unrepresentable(Exception):

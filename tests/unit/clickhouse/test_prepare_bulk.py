@@ -141,3 +141,18 @@ def test_bulk_prepare_example(sample: Descriptor, sample_fds: bytes) -> None:
     rows = prepared.payloads[8]
     assert isinstance(rows, Rows)
     assert np.asarray(rows.columns.values[0][rows.start:rows.stop]).tolist() == [0]
+
+
+def test_a_row_upb_rejects_is_a_dead_letter(sample_fds: bytes) -> None:
+    """A malformed group goes to upb, which rejects it: a dead letter with upb's
+    reason, by both paths (it used to fail the batch with a ValueError)."""
+    value = make_envelope("db.a", [b"\x03\x01"], 1)
+    for columnar in (True, False):
+        old = prepare("top", 0, [Message(0, 1_500, value)],
+                      Plans(registry(sample_fds), lambda t: LIVE[t]), columnar=columnar)
+        new = prepare_envelopes("top", 0, [0], [1_500], [value],
+                                Plans(registry(sample_fds), lambda t: LIVE[t]),
+                                columnar=columnar)
+        same(old, new)
+        dead = new.payloads[0]
+        assert isinstance(dead, DeadLetter) and "malformed group" in dead.error

@@ -228,6 +228,18 @@ def test_ranges_refuse_another_layout(sample: Descriptor) -> None:
         decode_ranges(sample, buf[:-1], np.array([0, 2]), np.array([2, 4]))
 
 
+def test_rejected_fallback_rows_hold_no_impossible_nulls(sample: Descriptor) -> None:
+    """A row upb rejects (here a malformed group) is an error, and its values are an
+    empty row's: no null in a field without presence, which a converter would trip
+    over (it did: a ValueError failed the task instead of a dead letter)."""
+    decoded = decode_rows(sample, [b"\x03\x01", b"\x08\x05"])
+    assert set(decoded.errors) == {0}
+    for fd in sample.fields:
+        column = decoded.columns[fd.name]
+        if not fd.has_presence:
+            assert column.null_count == 0, fd.name
+
+
 def test_empty_input(sample: Descriptor) -> None:
     decoded = decode_rows(sample, [])
     assert decoded.n == 0 and not decoded.errors
