@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"rows/message={args.rows_per_message} max_rows={args.block_rows:,}; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start")
     if args.profile:
-        result = run_child(REPO, args, ["py-spy", "record", "-r", "200", "-f", "raw", "-o",
+        result = run_child(REPO, args, ["py-spy", "record", "--gil", "-r", "200", "-f", "raw", "-o",
                                         str(args.profile), "--"])
         print(json.dumps(result))
         print("\n".join(top_functions(args.profile, 30)))

@@ -391,18 +391,21 @@ def _gather_ranges(buf: U8, starts: I64, lengths: I64) -> tuple[U8, I64]:
     total = int(offsets[-1])
     if total == 0:
         return np.zeros(0, dtype=np.uint8), offsets
-    ends = starts + lengths
-    if bool(np.all(starts[1:] >= ends[:-1])):
-        # Ranges in order and apart (the usual case: one field's values, row by row):
-        # a mask over their span, built run by run (gap, range, gap, ...), instead of
-        # an int64 index per byte.
-        lo = int(starts[0])
-        runs = np.empty(2 * lengths.size, dtype=np.int64)
-        runs[0::2] = starts - np.concatenate(([lo], ends[:-1]))
-        runs[1::2] = lengths
-        pattern = np.zeros(2 * lengths.size, dtype=np.bool_)
+    nonempty = lengths > 0
+    s, n = starts[nonempty], lengths[nonempty]
+    e = s + n
+    lo = int(s[0])
+    if int(e[-1]) - lo <= 4 * total and bool(np.all(s[1:] >= e[:-1])):
+        # Ranges in order and apart, covering much of their span (a table's rows in
+        # its envelopes): a mask over the span, built run by run (gap, range, gap,
+        # ...), costs a byte per byte of the span instead of an int64 index per byte
+        # gathered.
+        runs = np.empty(2 * n.size, dtype=np.int64)
+        runs[0::2] = s - np.concatenate(([lo], e[:-1]))
+        runs[1::2] = n
+        pattern = np.zeros(2 * n.size, dtype=np.bool_)
         pattern[1::2] = True
-        return buf[lo:int(ends[-1])][np.repeat(pattern, runs)], offsets
+        return buf[lo:int(e[-1])][np.repeat(pattern, runs)], offsets
     index = np.repeat(starts - offsets[:-1], lengths) + np.arange(total, dtype=np.int64)
     return buf[index], offsets
 

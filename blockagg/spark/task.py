@@ -428,14 +428,19 @@ def _run_attempt(
     report = run_batch(plan, store, sink, attempt)
     consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dead_letters: dict[str, int] = defaultdict(int)
-    for i, message in enumerate(batch.payloads):
-        name = batch.tables[int(batch.table_ids[i])]
-        consumed[name][0] += int(batch.row_counts[i])
-        consumed[name][1] += int(batch.sizes[i])
-        if isinstance(message, DeadLetter):
-            dead_letters[reason_label(message.error)] += 1
-        elif name == config.dead_letters.table:
-            dead_letters["other"] += 1
+    ids, owner = np.unique(batch.table_ids, return_inverse=True)
+    rows = np.bincount(owner, weights=batch.row_counts, minlength=ids.size)
+    sizes = np.bincount(owner, weights=batch.sizes, minlength=ids.size)
+    for k, table_id in enumerate(ids.tolist()):
+        name = batch.tables[table_id]
+        consumed[name][0] += int(rows[k])
+        consumed[name][1] += int(sizes[k])
+        if name != config.dead_letters.table:
+            continue
+        for i in np.flatnonzero(batch.table_ids == table_id).tolist():
+            message = batch.payloads[i]
+            dead_letters[reason_label(message.error) if isinstance(message, DeadLetter)
+                         else "other"] += 1
     return {
         "topic": tp[0],
         "partition": tp[1],
