@@ -11,8 +11,14 @@ import numpy as np
 import pytest
 from clickhouse_driver import Client as DriverClient
 
-from blockagg.aggregator.clickhouse.native import NativeBlock
+from blockagg.aggregator.clickhouse.native import (
+    EnumColumn,
+    NativeBlock,
+    StringColumn,
+    native_client_class,
+)
 from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
+from blockagg.aggregator.clickhouse.types import parse_type
 from blockagg.aggregator.clickhouse.writer import (
     ClickHouseBlockWriter,
     Replica,
@@ -108,3 +114,28 @@ def test_old_and_new_path_blocks_deduplicate(stack_env: dict[str, str],
     ]
     for w in (old, new, numpy_mode):
         w.close()
+
+
+def test_native_block_falls_back_when_the_table_differs(stack_env: dict[str, str],
+                                                        ch_replicas: list[Any],
+                                                        ch_database: str) -> None:
+    """A NativeBlock encoded for other column types than the server's sample block
+    (an ALTER since the plan) is serialised by clickhouse-driver from its arrays,
+    with the server's types, as before NativeClient existed."""
+    table = f"{ch_database}.native_fallback"
+    ch_replicas[0].execute(f"CREATE TABLE {table} (id UInt64, s String, k Enum8('a' = 1)) "
+                           "ENGINE = MergeTree ORDER BY id")
+    client = native_client_class()(stack_env["BLOCKAGG_CH_HOST"],
+                                   port=int(stack_env["BLOCKAGG_CH_PORTS"].split(",")[0]))
+    for id_type in ("UInt64", "UInt32"):  # the second does not match: fallback
+        block = NativeBlock(["id", "s", "k"], [parse_type(id_type), parse_type("String"),
+                                               parse_type("Enum8('a' = 1)")],
+                            [np.array([1, 2], dtype=np.uint64), StringColumn.repeat("x", 2),
+                             EnumColumn(np.array([0, 0]), ("a",), np.array([1]))])
+        assert block.matches([("id", "UInt64"), ("s", "String"),
+                              ("k", "Enum8('a' = 1)")]) == (id_type == "UInt64")
+        client.execute(f"INSERT INTO {table} (id, s, k) VALUES", block, columnar=True,
+                       settings={"use_numpy": True})
+    assert ch_replicas[0].execute(f"SELECT id, s, k FROM {table} ORDER BY id") == [
+        (1, "x", "a"), (1, "x", "a"), (2, "x", "a"), (2, "x", "a")]
+    client.disconnect()
