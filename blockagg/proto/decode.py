@@ -192,17 +192,62 @@ def decode_rows(descriptor: Descriptor, rows: Sequence[bytes]) -> Decoded:
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=n)
     ends = np.cumsum(lengths)
     starts = ends - lengths
-    buf = np.frombuffer(b"".join(rows) + b"\x00" * _PAD, dtype=np.uint8)
+    return decode_ranges(descriptor, padded_buffer(b"".join(rows)), starts, ends)
+
+
+PAD: Final = _PAD
+"""Zero bytes :func:`decode_ranges` needs after the last row of its buffer."""
+
+
+def padded_buffer(data: bytes | U8) -> U8:
+    """``data`` as a buffer for :func:`decode_ranges` (followed by :data:`PAD` zeros)."""
+    raw = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data
+    out = np.zeros(raw.size + _PAD, dtype=np.uint8)
+    out[:raw.size] = raw
+    return out
+
+
+class _Rows:
+    """Row ``i`` of a buffer as ``bytes`` (for the upb fallback)."""
+
+    def __init__(self, buf: U8, starts: I64, ends: I64) -> None:
+        self.buf, self.starts, self.ends = buf, starts, ends
+
+    def __getitem__(self, i: int) -> bytes:
+        return self.buf[int(self.starts[i]):int(self.ends[i])].tobytes()
+
+
+def gather_rows(buf: U8, starts: I64, ends: I64) -> tuple[U8, I64, I64]:
+    """The rows ``buf[starts[i]:ends[i]]`` copied next to each other, in order, into
+    a :func:`padded_buffer`, with their new bounds: the layout :func:`decode_ranges`
+    takes."""
+    data, offsets = _gather_ranges(buf, starts, ends - starts)
+    return padded_buffer(data), offsets[:-1], offsets[1:]
+
+
+def decode_ranges(descriptor: Descriptor, buf: U8, starts: I64, ends: I64) -> Decoded:
+    """:func:`decode_rows` of the rows at ``buf[starts[i]:ends[i]]``, laid out as
+    :func:`decode_rows` lays them out (:func:`gather_rows`): adjacent, in order,
+    followed by :data:`PAD` zero bytes. The reason a damaged row gets can depend on
+    the bytes after it (the next row), which is why the layout is the same: the same
+    columns and errors as :func:`decode_rows` of those rows' bytes."""
+    n = int(starts.size)
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    if n and (np.any(starts[1:] != ends[:-1]) or int(ends[-1]) + _PAD > buf.size
+              or buf[int(ends[-1]):int(ends[-1]) + _PAD].any()):
+        raise ValueError("decode_ranges needs adjacent rows followed by PAD zero bytes "
+                         "(gather_rows)")
     err = np.zeros(n, dtype=np.int8)
     columns = _decode_message(descriptor, buf, starts, ends, err)
     odd = np.flatnonzero(err >= _F_GROUP)
     if odd.size:
-        columns = _fallback(descriptor, rows, odd, columns, err)
+        columns = _fallback(descriptor, _Rows(buf, starts, ends), odd, columns, err)
     errors = {int(i): _REASONS[int(err[i])] for i in np.flatnonzero(err)}
     return Decoded(n, columns, errors)
 
 
-def _fallback(descriptor: Descriptor, rows: Sequence[bytes], odd: I64,
+def _fallback(descriptor: Descriptor, rows: Sequence[bytes] | _Rows, odd: I64,
               columns: dict[str, pa.Array], err: npt.NDArray[np.int8]) -> dict[str, pa.Array]:
     """Decode rows ``odd`` with upb (``FromString``, then field by field into the
     layout of :func:`arrow_type`) and splice them into ``columns``. Rows upb rejects
@@ -219,8 +264,11 @@ def _fallback(descriptor: Descriptor, rows: Sequence[bytes], odd: I64,
             err[i] = _E_UTF8_UNCHECKED
             converted = None
         if converted is None:
-            for column in values.values():
-                column.append(None)
+            # A row upb rejects gets the values of an empty row: a column holds no
+            # null its field can't have, so converting the batch's columns does not
+            # trip over the row that is a dead letter anyway.
+            for fd in descriptor.fields:
+                values[fd.name].append(_empty_value(fd))
             continue
         err[i] = 0
         for name, value in converted.items():
@@ -234,6 +282,15 @@ def _fallback(descriptor: Descriptor, rows: Sequence[bytes], odd: I64,
         extra = pa.array(values[fd.name], type=arrow_type(fd))
         out[fd.name] = pa.concat_arrays([columns[fd.name], extra]).take(take)
     return out
+
+
+def _empty_value(fd: FieldDescriptor) -> Any:
+    """Field ``fd`` of an empty message, as :func:`arrow_type` lays it out."""
+    if is_repeated(fd):
+        return []
+    if _has_presence(fd) or fd.type in _MESSAGE_TYPES:
+        return None
+    return fd.default_value
 
 
 class _Unrepresentable(Exception):
@@ -334,6 +391,21 @@ def _gather_ranges(buf: U8, starts: I64, lengths: I64) -> tuple[U8, I64]:
     total = int(offsets[-1])
     if total == 0:
         return np.zeros(0, dtype=np.uint8), offsets
+    nonempty = lengths > 0
+    s, n = starts[nonempty], lengths[nonempty]
+    e = s + n
+    lo = int(s[0])
+    if int(e[-1]) - lo <= 4 * total and bool(np.all(s[1:] >= e[:-1])):
+        # Ranges in order and apart, covering much of their span (a table's rows in
+        # its envelopes): a mask over the span, built run by run (gap, range, gap,
+        # ...), costs a byte per byte of the span instead of an int64 index per byte
+        # gathered.
+        runs = np.empty(2 * n.size, dtype=np.int64)
+        runs[0::2] = s - np.concatenate(([lo], e[:-1]))
+        runs[1::2] = n
+        pattern = np.zeros(2 * n.size, dtype=np.bool_)
+        pattern[1::2] = True
+        return buf[lo:int(e[-1])][np.repeat(pattern, runs)], offsets
     index = np.repeat(starts - offsets[:-1], lengths) + np.arange(total, dtype=np.int64)
     return buf[index], offsets
 

@@ -46,7 +46,13 @@ from blockagg.aggregator.core.model import (
     Thresholds,
 )
 from blockagg.aggregator.core.protocol import batch_pins, plan_batch, run_batch
-from blockagg.proto.envelope import Parsed, Rejected, parse_envelope
+from blockagg.proto.envelope import (
+    Envelopes,
+    Parsed,
+    Rejected,
+    parse_envelope,
+    parse_envelopes,
+)
 from blockagg.spark.components import (
     Attempt,
     Components,
@@ -176,7 +182,7 @@ def positioned(registry: Any) -> bool:
 
 
 def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
-                 registry: Any, parsed: Sequence[Parsed | Rejected],
+                 registry: Any, parsed: Sequence[Parsed | Rejected] | Envelopes,
                  timestamps_ms: Sequence[int]) -> Pins:
     """What a batch that replays nothing is prepared under now.
 
@@ -188,14 +194,17 @@ def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
 
     Components without ``incarnation``/``dedup_mode`` (test doubles) leave those 0,
     and a registry without positions leaves ``registry`` 0: unpinned, as before."""
-    from blockagg.aggregator.clickhouse.prepare import needs_newer
+    from blockagg.aggregator.clickhouse.prepare import needs_newer, needs_newer_any
     from blockagg.proto.registry import registry_pin
 
     position = 0
     if positioned(registry):
         snapshot = registry.current()
-        newer = any(isinstance(p, Parsed) and needs_newer(snapshot, p.table, p.version, ts)
-                    for p, ts in zip(parsed, timestamps_ms, strict=True))
+        if isinstance(parsed, Envelopes):
+            newer = needs_newer_any(snapshot, parsed, np.asarray(timestamps_ms, dtype=np.int64))
+        else:
+            newer = any(isinstance(p, Parsed) and needs_newer(snapshot, p.table, p.version, ts)
+                        for p, ts in zip(parsed, timestamps_ms, strict=True))
         position = registry_pin(registry.position(newer))
     incarnation = getattr(components, "incarnation", None)
     dedup = getattr(components, "dedup_mode", None)
@@ -213,16 +222,25 @@ def prepare_batch(
     timestamps_ms: Sequence[int],
     registry: Any,
     pins: Pins = NO_PINS,
-    parsed: Sequence[Parsed | Rejected] | None = None,
+    parsed: Sequence[Parsed | Rejected] | Envelopes | None = None,
 ) -> Batch:
     """The :class:`Batch` through the data path (``aggregator.clickhouse.prepare``):
-    envelope, registry as of ``pins.registry``, vectorised decoding with each version's
-    registered columns (checked against the live ones), dead letters.
+    envelopes (parsed in bulk), registry as of ``pins.registry``, vectorised decoding
+    with each version's registered columns (checked against the live ones), dead
+    letters.
 
     ``pins.registry`` 0 (not pinned) decides with the worker's snapshot, re-read
-    when a message needs a newer one, as before pins existed."""
+    when a message needs a newer one, as before pins existed. ``parsed``: the
+    envelopes when the caller has them (:func:`~proto.envelope.parse_envelopes`; a
+    list of :func:`~proto.envelope.parse_envelope` results takes the per-message
+    path, the same decisions)."""
     from blockagg.aggregator.clickhouse.prepare import Message as Record
-    from blockagg.aggregator.clickhouse.prepare import Plans, needs_newer, prepare
+    from blockagg.aggregator.clickhouse.prepare import (
+        Plans,
+        needs_newer_any,
+        prepare,
+        prepare_envelopes,
+    )
     from blockagg.proto.registry import pinned_position
 
     plans: Plans = cached(
@@ -232,20 +250,23 @@ def prepare_batch(
                       columns_ttl_s=config.schemas.refresh_interval),
     )
     plans.expire_live()
-    records = [Record(int(o), int(t), v)
-               for o, v, t in zip(offsets, values, timestamps_ms, strict=True)]
-    if parsed is None:
-        parsed = [parse_envelope(v) for v in values]
+    envelopes = parsed if isinstance(parsed, Envelopes) else parse_envelopes(values)
+    stamps = np.asarray(timestamps_ms, dtype=np.int64)
     if pins.registry and positioned(registry):
         plans.registry = registry.at(pinned_position(pins.registry))
     else:
         snapshot = registry.current()
-        if any(isinstance(p, Parsed) and needs_newer(snapshot, p.table, p.version, ts)
-               for p, ts in zip(parsed, timestamps_ms, strict=True)):
+        if needs_newer_any(snapshot, envelopes, stamps):
             snapshot = registry.reload()
         plans.registry = snapshot
-    prepared = prepare(rng.topic, rng.partition, records, plans, config.dead_letters.table,
-                       parsed=parsed)
+    if parsed is None or isinstance(parsed, Envelopes):
+        prepared = prepare_envelopes(rng.topic, rng.partition, offsets, stamps, values, plans,
+                                     config.dead_letters.table, envelopes=envelopes)
+    else:
+        records = [Record(int(o), int(t), v)
+                   for o, v, t in zip(offsets, values, timestamps_ms, strict=True)]
+        prepared = prepare(rng.topic, rng.partition, records, plans,
+                           config.dead_letters.table, parsed=parsed)
     n = len(offsets)
     start = rng.start if rng.exact_start or n == 0 else min(rng.start, offsets[0])
     return Batch(
@@ -394,7 +415,7 @@ def _run_attempt(
     # The last commit first: a replay must be prepared under its intent's pins.
     committed = store.committed(tp[0], tp[1])
     full = hasattr(registry, "reload") and hasattr(registry, "current")
-    parsed = [parse_envelope(v) for v in values] if full else []
+    parsed: Envelopes | list[Parsed | Rejected] = parse_envelopes(values) if full else []
     current = current_pins(ctx.components, config, topic_config, tp[0], registry, parsed,
                            timestamps_ms if full else [])
     pins = batch_pins(tp[0], tp[1], committed, current)
@@ -416,14 +437,19 @@ def _run_attempt(
     report = run_batch(plan, store, sink, attempt, insert_lanes(config))
     consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dead_letters: dict[str, int] = defaultdict(int)
-    for i, message in enumerate(batch.payloads):
-        name = batch.tables[int(batch.table_ids[i])]
-        consumed[name][0] += int(batch.row_counts[i])
-        consumed[name][1] += int(batch.sizes[i])
-        if isinstance(message, DeadLetter):
-            dead_letters[reason_label(message.error)] += 1
-        elif name == config.dead_letters.table:
-            dead_letters["other"] += 1
+    ids, owner = np.unique(batch.table_ids, return_inverse=True)
+    rows = np.bincount(owner, weights=batch.row_counts, minlength=ids.size)
+    sizes = np.bincount(owner, weights=batch.sizes, minlength=ids.size)
+    for k, table_id in enumerate(ids.tolist()):
+        name = batch.tables[table_id]
+        consumed[name][0] += int(rows[k])
+        consumed[name][1] += int(sizes[k])
+        if name != config.dead_letters.table:
+            continue
+        for i in np.flatnonzero(batch.table_ids == table_id).tolist():
+            message = batch.payloads[i]
+            dead_letters[reason_label(message.error) if isinstance(message, DeadLetter)
+                         else "other"] += 1
     return {
         "topic": tp[0],
         "partition": tp[1],

@@ -1,6 +1,7 @@
-"""The columnar path (numpy arrays through clickhouse-driver's numpy mode) against
-the real 18.16 replicas: a block sent by the old list path and then by the new path
-is deduplicated (same data hash), and the stored rows are the converted values."""
+"""The columnar path against the real 18.16 replicas: a block sent by the old list
+path, by clickhouse-driver's numpy mode, and by blockagg's own Native serialisation
+(NativeClient, the default) is deduplicated whichever sends it first (same data
+hash), and the stored rows are the converted values."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from clickhouse_driver import Client as DriverClient
 
+from blockagg.aggregator.clickhouse.native import (
+    EnumColumn,
+    NativeBlock,
+    StringColumn,
+    native_client_class,
+)
 from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
+from blockagg.aggregator.clickhouse.types import parse_type
 from blockagg.aggregator.clickhouse.writer import (
     ClickHouseBlockWriter,
     Replica,
@@ -53,6 +62,11 @@ def test_old_and_new_path_blocks_deduplicate(stack_env: dict[str, str],
     register(store, table, ROW_MESSAGE, fds)
     old = writer_for(stack_env, use_numpy=False)
     new = writer_for(stack_env)
+    host = stack_env["BLOCKAGG_CH_HOST"]
+    numpy_mode = ClickHouseBlockWriter(
+        WriterConfig(replicas=tuple(Replica(host, int(p))
+                                    for p in stack_env["BLOCKAGG_CH_PORTS"].split(","))),
+        lambda r: DriverClient(r.host, port=r.port), sleep=lambda s: None)
     plans = Plans(Registry.load(store), lambda t: new.describe(t).columns)
     msgs = [Message(500 + k, 1_700_000_000_000, make_envelope(table, rows[i:i + 10], 1))
             for k, i in enumerate(range(0, 300, 10))]
@@ -71,9 +85,14 @@ def test_old_and_new_path_blocks_deduplicate(stack_env: dict[str, str],
 
     b1, batch1 = block(False, slice(0, 15))
     b2, batch2 = block(True, slice(0, 15))
-    assert new.block_data(b2, batch2).numpy
+    data = new.block_data(b2, batch2)
+    native = data.fresh(native=True)
+    assert data.numpy and isinstance(native, NativeBlock)
+    live = {c.name: c.type for c in new.describe(table).columns}
+    assert native.matches([(n, live[n]) for n in native.names])  # sent as encoded
     old.insert(b1, batch1)
     new.insert(b2, batch2)  # the same block by the new path: deduplicated
+    numpy_mode.insert(b2, batch2)  # and by the driver's numpy mode
     b3, batch3 = block(True, slice(15, 30))
     new.insert(b3, batch3)
     b4, batch4 = block(False, slice(15, 30))
@@ -93,5 +112,30 @@ def test_old_and_new_path_blocks_deduplicate(stack_env: dict[str, str],
         (150, -150, 150 * 10**12, 150 / 7, np.float32(150 / 3).item(), "", "DE",
          1_700_000_150, "KIND_CLICK", [0, 1], "topic", 2),
     ]
-    old.close()
-    new.close()
+    for w in (old, new, numpy_mode):
+        w.close()
+
+
+def test_native_block_falls_back_when_the_table_differs(stack_env: dict[str, str],
+                                                        ch_replicas: list[Any],
+                                                        ch_database: str) -> None:
+    """A NativeBlock encoded for other column types than the server's sample block
+    (an ALTER since the plan) is serialised by clickhouse-driver from its arrays,
+    with the server's types, as before NativeClient existed."""
+    table = f"{ch_database}.native_fallback"
+    ch_replicas[0].execute(f"CREATE TABLE {table} (id UInt64, s String, k Enum8('a' = 1)) "
+                           "ENGINE = MergeTree ORDER BY id")
+    client = native_client_class()(stack_env["BLOCKAGG_CH_HOST"],
+                                   port=int(stack_env["BLOCKAGG_CH_PORTS"].split(",")[0]))
+    for id_type in ("UInt64", "UInt32"):  # the second does not match: fallback
+        block = NativeBlock(["id", "s", "k"], [parse_type(id_type), parse_type("String"),
+                                               parse_type("Enum8('a' = 1)")],
+                            [np.array([1, 2], dtype=np.uint64), StringColumn.repeat("x", 2),
+                             EnumColumn(np.array([0, 0]), ("a",), np.array([1]))])
+        assert block.matches([("id", "UInt64"), ("s", "String"),
+                              ("k", "Enum8('a' = 1)")]) == (id_type == "UInt64")
+        client.execute(f"INSERT INTO {table} (id, s, k) VALUES", block, columnar=True,
+                       settings={"use_numpy": True})
+    assert ch_replicas[0].execute(f"SELECT id, s, k FROM {table} ORDER BY id") == [
+        (1, "x", "a"), (1, "x", "a"), (2, "x", "a"), (2, "x", "a")]
+    client.disconnect()

@@ -29,13 +29,21 @@ from blockagg.aggregator.clickhouse.rows import (
     Column,
     Rows,
     TablePlan,
+    decode_message_ranges,
     decode_messages,
     make_plan,
 )
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
-from blockagg.proto.envelope import LATEST, Parsed, Rejected, parse_envelope
+from blockagg.proto.envelope import (
+    LATEST,
+    Envelopes,
+    Parsed,
+    Rejected,
+    parse_envelope,
+    parse_envelopes,
+)
 from blockagg.proto.exceptions import ProtoError
-from blockagg.proto.registry import Registry, SchemaVersion
+from blockagg.proto.registry import Registration, Registry, SchemaVersion
 
 
 @dataclass(frozen=True)
@@ -276,3 +284,140 @@ def prepare(topic: str, partition: int, messages: Sequence[Message], plans: Plan
         tables[DEAD_LETTER_TABLE_ID] = dead_letter_table
     offsets = np.fromiter((m.offset for m in messages), dtype=np.int64, count=n)
     return Prepared(offsets, table_ids, row_counts, sizes, payloads, tables)
+
+
+def _groups(keys: npt.NDArray[np.int64]) -> list[npt.NDArray[np.int64]]:
+    """Positions of equal ``keys``, each group in position order, the groups in the
+    order of their first position."""
+    if not keys.size:
+        return []
+    _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    split = np.split(order, np.cumsum(np.bincount(inverse))[:-1])
+    return [split[g] for g in np.argsort(first, kind="stable").tolist()]
+
+
+def needs_newer_any(registry: Registry, envelopes: Envelopes,
+                    timestamps_ms: npt.NDArray[np.int64]) -> bool:
+    """Whether :func:`needs_newer` holds for any accepted message of ``envelopes``
+    (Kafka timestamps ``timestamps_ms``): decided once per (table, version), with
+    the group's latest timestamp for version 0 (:meth:`Registry.covers` holds for
+    every earlier one when it holds for the latest)."""
+    accepted = np.flatnonzero(envelopes.table_index >= 0)
+    keys = envelopes.table_index[accepted] * (1 << 33) + envelopes.versions[accepted]
+    for group in _groups(keys):
+        members = accepted[group]
+        table = envelopes.tables[int(envelopes.table_index[members[0]])]
+        version = int(envelopes.versions[members[0]])
+        if needs_newer(registry, table, version, int(timestamps_ms[members].max())):
+            return True
+    return False
+
+
+def _latest_at(reg: Registration, timestamps_ms: npt.NDArray[np.int64]
+               ) -> npt.NDArray[np.int64]:
+    """:meth:`Registration.resolve` of ``schema_version = 0`` for each timestamp, as
+    the version number (0: no version registered by then)."""
+    at = np.array([v.registered_at_ms for v in reg.versions], dtype=np.int64)
+    numbers = np.array([v.version for v in reg.versions], dtype=np.int64)
+    order = np.argsort(at, kind="stable")
+    best = np.maximum.accumulate(numbers[order])
+    k = np.searchsorted(at[order], timestamps_ms, side="right") - 1
+    return np.where(k >= 0, best[np.maximum(k, 0)], 0)
+
+
+def prepare_envelopes(topic: str, partition: int,
+                      offsets: Sequence[int] | npt.NDArray[np.int64],
+                      timestamps_ms: Sequence[int] | npt.NDArray[np.int64],
+                      values: Sequence[bytes | None],
+                      plans: Plans, dead_letter_table: str = DEFAULT_TABLE,
+                      columnar: bool = True, envelopes: Envelopes | None = None
+                      ) -> Prepared:
+    """:func:`prepare` of the messages given as columns (offset order), with their
+    envelopes parsed in bulk (:func:`proto.envelope.parse_envelopes`, or
+    ``envelopes`` when the caller has them) and the registry consulted once per
+    (table, version) rather than per message: the same decisions, dead-letter
+    reasons, payloads and tables, without a Python object per message before the
+    payloads themselves."""
+    n = len(values)
+    env = envelopes if envelopes is not None else parse_envelopes(values)
+    stamps = np.asarray(timestamps_ms, dtype=np.int64).reshape(n)
+    offs = np.asarray(offsets, dtype=np.int64).reshape(n)
+    table_ids = np.zeros(n, dtype=np.int64)
+    row_counts = np.ones(n, dtype=np.int64)
+    sizes = np.fromiter((len(v) if v is not None else 0 for v in values), dtype=np.int64,
+                        count=n)
+    payloads: list[Any] = [None] * n
+
+    def dead(i: int, error: str, table: str = "") -> None:
+        payloads[i] = make_dead_letter(topic, partition, int(offs[i]), int(stamps[i]),
+                                       values[i], error, table)
+        table_ids[i] = DEAD_LETTER_TABLE_ID
+        row_counts[i] = 1
+
+    if plans.reloads and needs_newer_any(plans.registry, env, stamps):
+        plans.refresh()
+    for i, rejected in env.rejected.items():
+        dead(i, rejected.reason, rejected.table)
+    resolved = np.zeros(n, dtype=np.int64)  # the version each message decodes with
+
+    def accept(members: npt.NDArray[np.int64], table: str, version: int) -> None:
+        try:
+            _, problems = plans.plan(table, version)
+        except ProtoError as exc:  # unknown table or version: no timestamp in the text
+            for i in members.tolist():
+                dead(i, str(exc), table)
+            return
+        if problems:
+            for i in members.tolist():
+                dead(i, f"schema version {version} does not match the table's columns: "
+                        f"{'; '.join(problems)}", table)
+            return
+        resolved[members] = version
+
+    accepted = np.flatnonzero(env.table_index >= 0)
+    keys = env.table_index[accepted] * (1 << 33) + env.versions[accepted]
+    for group in _groups(keys):
+        members = accepted[group]
+        table = env.tables[int(env.table_index[members[0]])]
+        version = int(env.versions[members[0]])
+        if version != LATEST:
+            accept(members, table, version)
+            continue
+        try:
+            reg = plans.registry.get(table)
+        except ProtoError as exc:
+            for i in members.tolist():
+                dead(i, str(exc), table)
+            continue
+        latest = _latest_at(reg, stamps[members])
+        for i in members[latest == 0].tolist():
+            try:  # no version yet at its timestamp: the reason names the timestamp
+                plan, _ = plans.plan(table, LATEST, int(stamps[i]))
+            except ProtoError as exc:
+                dead(i, str(exc), table)
+            else:
+                accept(np.array([i]), table, plan.version)
+        for number in np.unique(latest[latest > 0]).tolist():
+            accept(members[latest == number], table, int(number))
+    tables: dict[int, str] = {}
+    decided = np.flatnonzero(resolved > 0)
+    keys = env.table_index[decided] * (1 << 33) + resolved[decided]
+    for group in _groups(keys):
+        members = decided[group]
+        table = env.tables[int(env.table_index[members[0]])]
+        version = int(resolved[members[0]])
+        plan, _ = plans.plan(table, version)  # a resolved version: pinned
+        buf, starts, ends, counts = env.rows_of(members)
+        results = decode_message_ranges(plan, buf, starts, ends, counts, columnar)
+        for i, result in zip(members.tolist(), results, strict=True):
+            if isinstance(result, str):
+                dead(i, f"{table} v{version}: {result}", table)
+            else:
+                payloads[i] = result
+                table_ids[i] = plan.table_id
+                row_counts[i] = result.count
+                tables[plan.table_id] = table
+    if (table_ids == DEAD_LETTER_TABLE_ID).any():
+        tables[DEAD_LETTER_TABLE_ID] = dead_letter_table
+    return Prepared(offs.copy(), table_ids, row_counts, sizes, payloads, tables)

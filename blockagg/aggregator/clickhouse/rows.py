@@ -31,7 +31,9 @@ from blockagg.aggregator.clickhouse.types import (
     field_mismatch,
     parse_type,
 )
-from blockagg.proto.decode import decode_rows
+from blockagg.proto.decode import Decoded, decode_ranges, decode_rows
+
+I64 = npt.NDArray[np.int64]
 
 COORDINATE_COLUMNS: Final = ("_topic", "_partition", "_offset")
 """Optional columns the writer fills with the row's Kafka coordinates."""
@@ -170,11 +172,25 @@ def decode_messages(plan: TablePlan, messages: Sequence[Sequence[bytes]],
     :func:`~aggregator.clickhouse.types.convert_column` lists (the previous path,
     kept as the benchmark's baseline). Both give the same values and reasons."""
     counts = np.fromiter(map(len, messages), dtype=np.int64, count=len(messages))
-    bounds = np.concatenate(([0], np.cumsum(counts)))
     flat: list[bytes] = [row for rows in messages for row in rows]
-    decoded = decode_rows(plan.descriptor, flat)
+    return _messages(plan, decode_rows(plan.descriptor, flat), counts, columnar)
+
+
+def decode_message_ranges(plan: TablePlan, buf: npt.NDArray[np.uint8], starts: I64,
+                          ends: I64, counts: I64, columnar: bool = True) -> list[Rows | str]:
+    """:func:`decode_messages` of messages whose rows lie in ``buf`` as
+    :func:`proto.decode.gather_rows` lays them out: row ``j`` at
+    ``buf[starts[j]:ends[j]]``, the first ``counts[0]`` rows the first message's, and
+    so on. The same results."""
+    return _messages(plan, decode_ranges(plan.descriptor, buf, starts, ends), counts,
+                     columnar)
+
+
+def _messages(plan: TablePlan, decoded: Decoded, counts: I64, columnar: bool
+              ) -> list[Rows | str]:
+    bounds = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     errors = dict(decoded.errors)
-    values: list[list[Any] | npt.NDArray[Any]] = []
+    values: list[Any] = []
     convert = convert_array if columnar else convert_column
     for name, ch, fd in zip(plan.columns, plan.types, plan.fields, strict=True):
         if fd is None:
@@ -191,12 +207,13 @@ def decode_messages(plan: TablePlan, messages: Sequence[Sequence[bytes]],
     for row, message in zip(bad_rows.tolist(), owner.tolist(), strict=True):
         if message not in first_error:
             first_error[message] = f"row {row - int(bounds[message])}: {errors[row]}"
+    edges = bounds.tolist()
     out: list[Rows | str] = []
-    for i in range(len(messages)):
+    for i in range(len(counts)):
         if i in first_error:
             out.append(first_error[i])
-        elif counts[i] == 0:
+        elif edges[i] == edges[i + 1]:
             out.append("envelope carries no rows")
         else:
-            out.append(Rows(shared, int(bounds[i]), int(bounds[i + 1])))
+            out.append(Rows(shared, edges[i], edges[i + 1]))
     return out

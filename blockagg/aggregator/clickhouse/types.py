@@ -285,9 +285,11 @@ class Converted:
     """Column values for clickhouse-driver, and the rows that did not convert.
 
     ``values`` is a list (:func:`convert_column`) or, from :func:`convert_array` where
-    a vectorised rule applies, a numpy array whose ``tolist()`` equals that list."""
+    a vectorised rule applies, a numpy array or a column of
+    :mod:`aggregator.clickhouse.native` (String, Enum, Array) whose ``tolist()``
+    equals that list."""
 
-    values: list[Any] | npt.NDArray[Any]
+    values: Any
     errors: dict[int, str]
 
 
@@ -307,14 +309,16 @@ NUMPY_DTYPES: Final[dict[str, type[np.generic]]] = {
 """The numpy dtype of a vectorised column of these ClickHouse types (DateTime:
 seconds since the epoch, as clickhouse-driver's numpy mode writes integers)."""
 
-_VecConv = Callable[[pa.Array], tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]]
+_VecConv = Callable[[pa.Array], tuple[Any, npt.NDArray[np.bool_]]]
+"""A vectorised conversion: (values, bad rows). Values are a numpy array or one of
+:mod:`aggregator.clickhouse.native`'s columns (String, Enum, Array)."""
 
 
 def convert_array(ch: CHType, fd: FieldDescriptor, column: pa.Array) -> Converted:
     """:func:`convert_column` without a Python object per value where a vectorised
-    rule exists: the values come back as a numpy array (typed for integers, floats
-    and DateTime; ``object`` holding ``str``/``bytes``, enum names or element lists
-    otherwise) whose ``tolist()`` is exactly :func:`convert_column`'s list for every
+    rule exists: the values come back as a numpy array (typed: integers, floats,
+    DateTime) or a column in Native layout (:mod:`aggregator.clickhouse.native`:
+    String, Enum, Array) whose ``tolist()`` is exactly :func:`convert_column`'s list for every
     row that converts, and ``errors`` has exactly the same rows and reasons (a bad
     row's reason is computed by :func:`convert_column` on that row alone). Types and
     fields without a vectorised rule fall back to :func:`convert_column` (a list)."""
@@ -359,9 +363,10 @@ def _vector_scalar(ch: CHType, fd: FieldDescriptor) -> _VecConv | None:
             return arr, np.zeros(len(arr), dtype=np.bool_)
         return floats
     if name == "String" and t in (_T.TYPE_STRING, _T.TYPE_BYTES):
-        def strings(column: pa.Array) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
-            arr = column.to_numpy(zero_copy_only=False).astype(object)
-            return arr, np.zeros(len(arr), dtype=np.bool_)
+        from blockagg.aggregator.clickhouse.native import StringColumn
+
+        def strings(column: pa.Array) -> tuple[Any, npt.NDArray[np.bool_]]:
+            return StringColumn.from_arrow(column), np.zeros(len(column), dtype=np.bool_)
         return strings
     if name == "DateTime" and not ch.args and (
             _msg_name(fd) == TIMESTAMP or (t in _INT_FIELDS and t != _T.TYPE_BOOL)):
@@ -371,14 +376,14 @@ def _vector_scalar(ch: CHType, fd: FieldDescriptor) -> _VecConv | None:
         numbers = sorted(by_number)
         return _vector_lookup(np.asarray(numbers, dtype=np.int64),
                               [by_number[k].name if by_number[k].name in ch.enum else None
-                               for k in numbers])
+                               for k in numbers], ch)
     if name in ("Enum8", "Enum16") and t in _INT_FIELDS and t != _T.TYPE_BOOL:
         by_value: dict[int, str] = {}
         for nm, num in ch.enum.items():
             by_value.setdefault(num, nm)
         values = sorted(by_value)
         return _vector_lookup(np.asarray(values, dtype=np.int64),
-                              [by_value[v] for v in values])
+                              [by_value[v] for v in values], ch)
     return None
 
 
@@ -424,15 +429,18 @@ def _vector_datetime(timestamp: bool) -> _VecConv:
     return datetimes
 
 
-def _vector_lookup(keys: npt.NDArray[np.int64], names: list[str | None]) -> _VecConv:
-    """Integers to names through sorted ``keys``; a key without a name (None), or a
-    number not in ``keys``, is a bad row."""
-    table = np.empty(len(names) + 1, dtype=object)
-    table[:len(names)] = names
-    table[len(names)] = None
-    named = np.array([n is not None for n in names] + [False], dtype=np.bool_)
+def _vector_lookup(keys: npt.NDArray[np.int64], names: list[str | None],
+                   ch: CHType) -> _VecConv:
+    """Integers to names of enum column ``ch`` through sorted ``keys``, as a
+    :class:`~aggregator.clickhouse.native.EnumColumn`; a key without a name (None),
+    or a number not in ``keys``, is a bad row."""
+    from blockagg.aggregator.clickhouse.native import EnumColumn
 
-    def lookup(column: pa.Array) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
+    table = (*names, None)
+    numbers = np.array([ch.enum[n] if n is not None else 0 for n in table], dtype=np.int64)
+    named = np.array([n is not None for n in table], dtype=np.bool_)
+
+    def lookup(column: pa.Array) -> tuple[Any, npt.NDArray[np.bool_]]:
         arr = column.to_numpy(zero_copy_only=False).astype(np.int64)
         idx = np.searchsorted(keys, arr)
         idx[idx >= len(keys)] = len(keys)
@@ -440,12 +448,16 @@ def _vector_lookup(keys: npt.NDArray[np.int64], names: list[str | None]) -> _Vec
         inside = idx < len(keys)
         found[inside] = keys[idx[inside]] == arr[inside]
         idx[~found] = len(keys)
-        return table[idx], ~named[idx]
+        return EnumColumn(idx, table, numbers), ~named[idx]
     return lookup
 
 
 def _vector_array(element: _VecConv) -> _VecConv:
-    def arrays(column: pa.Array) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
+    """Lists as a :class:`~aggregator.clickhouse.native.ListColumn`: the rows'
+    offsets into the converted flat values (no Python list per row)."""
+    from blockagg.aggregator.clickhouse.native import ListColumn
+
+    def arrays(column: pa.Array) -> tuple[Any, npt.NDArray[np.bool_]]:
         n = len(column)
         offsets = column.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
         offsets = offsets - offsets[0]
@@ -454,9 +466,7 @@ def _vector_array(element: _VecConv) -> _VecConv:
         if flat_bad.any():
             owners = np.repeat(np.arange(n), np.diff(offsets))
             bad[owners[flat_bad]] = True
-        lists = pa.LargeListArray.from_arrays(pa.array(offsets, type=pa.int64()),
-                                              pa.array(flat)).to_pylist()
-        return np.fromiter(lists, dtype=object, count=n), bad
+        return ListColumn(offsets, flat), bad
     return arrays
 
 

@@ -15,15 +15,17 @@ Invariants:
 * :meth:`ClickHouseBlockWriter.check_tables` refuses tables that would not drop a
   retried block, naming the table and the setting to change.
 
-Columnar path: when every column of a block is a numpy array (see
-:func:`aggregator.clickhouse.types.convert_array`) of a type clickhouse-driver's numpy
-mode writes (:data:`NUMPY_TYPES`), the block goes through ``use_numpy`` (integers,
-floats, DateTime and strings serialised from the arrays; Enum and Array columns take
-the driver's generic per-column fallback from ``object`` arrays); otherwise as
-Python lists, as before. Both send the same values of the same types, so the server
-hashes the block alike whichever path (or writer version) sent it; the choice is a
-pure function of the block (its column types and size) and the configuration, so a
-retry takes the same path, and each attempt sends a fresh copy of the same columns.
+Columnar path: when every column of a block is columnar (see
+:func:`aggregator.clickhouse.types.convert_array`: numpy arrays, and String, Enum and
+Array columns in Native layout) of a type in :data:`NUMPY_TYPES`, the block goes to
+the default client (:class:`~aggregator.clickhouse.native.NativeClient`) as a
+:class:`~aggregator.clickhouse.native.NativeBlock`, serialised from those buffers
+without a Python object per value, and to another clickhouse-driver client through
+its numpy mode; otherwise as Python lists, as before. All send the same bytes for the
+same values (``tests/unit/clickhouse/test_native.py``, ``test_columnar.py``), so the
+server hashes the block alike whichever path (or writer version) sent it; the choice
+is a pure function of the block (its column types and size), the configuration and
+the client, so a retry takes the same path with the same columns.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import numpy as np
-import numpy.typing as npt
 
 from blockagg.aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_COLUMNS
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter
@@ -51,6 +52,14 @@ from blockagg.aggregator.clickhouse.exceptions import (
     InsertFailed,
     QuorumUnsatisfied,
     TableNotFound,
+)
+from blockagg.aggregator.clickhouse.native import (
+    NATIVE_COLUMNS,
+    NativeBlock,
+    StringColumn,
+    concat,
+    native_client_class,
+    native_type_ok,
 )
 from blockagg.aggregator.clickhouse.rows import (
     COORDINATE_COLUMNS,
@@ -145,24 +154,41 @@ def numpy_type_ok(ch: CHType) -> bool:
 
 @dataclass(frozen=True, eq=False)
 class BlockData:
-    """A block's insert: column names, columns, and whether they are numpy arrays
-    for clickhouse-driver's numpy mode (else Python lists)."""
+    """A block's insert: column names, columns, and whether they are columnar
+    (numpy arrays and :mod:`~aggregator.clickhouse.native` columns, with their
+    ``types``) or Python lists."""
 
     names: tuple[str, ...]
     columns: list[Any]
     numpy: bool
+    types: tuple[CHType, ...] = ()
 
     @property
     def rows(self) -> int:
         return len(self.columns[0]) if self.columns else 0
 
-    def fresh(self, lists: bool = False) -> list[Any]:
-        """A copy of the columns for one attempt (the driver rewrites some in place);
-        ``lists``: as Python lists (the same values) for a client without numpy mode."""
+    def fresh(self, lists: bool = False, native: bool = False) -> Any:
+        """The columns for one attempt: ``native``, the block in Native layout for
+        :class:`~aggregator.clickhouse.native.NativeClient` (immutable, encoded once);
+        ``lists``, Python lists (the same values) for a client without numpy mode;
+        otherwise a copy for clickhouse-driver's numpy mode (which rewrites some in
+        place)."""
+        if native and self.numpy and all(native_type_ok(t) for t in self.types):
+            if self._native is None:
+                object.__setattr__(self, "_native",
+                                   NativeBlock(self.names, self.types, self.columns))
+            return self._native
         if lists:
-            return [c.tolist() if isinstance(c, np.ndarray) else list(c)
-                    for c in self.columns]
-        return [c.copy() if isinstance(c, np.ndarray) else list(c) for c in self.columns]
+            return [c.tolist() if hasattr(c, "tolist") else list(c) for c in self.columns]
+        return [c.copy() if isinstance(c, np.ndarray) else c.driver_items()
+                if isinstance(c, NATIVE_COLUMNS) else list(c) for c in self.columns]
+
+    _native: NativeBlock | None = field(default=None, init=False, repr=False)
+
+
+def _is_native_client(client: Any) -> bool:
+    """Whether ``client`` sends :class:`~aggregator.clickhouse.native.NativeBlock`s."""
+    return _is_driver_client(client) and isinstance(client, native_client_class())
 
 
 def _is_driver_client(client: Any) -> bool:
@@ -257,7 +283,9 @@ def _recently_used_connection() -> type:
 
 
 def default_client_factory(config: WriterConfig) -> Callable[[Replica], Client]:
-    from clickhouse_driver import Client as DriverClient
+    """clickhouse-driver clients that send columnar blocks in Native layout as is
+    (:class:`~aggregator.clickhouse.native.NativeClient`)."""
+    DriverClient = native_client_class()
 
     def make(replica: Replica) -> Client:
         client: Any = DriverClient(
@@ -531,7 +559,8 @@ class ClickHouseBlockWriter:
         if numpy is None:
             numpy = self.config.use_numpy and numpy_inserts_available()
         if numpy and not fills and self._numpy_eligible(block, rows_payloads):
-            return BlockData(names, self._array_columns(block, batch, rows_payloads), True)
+            return BlockData(names, self._array_columns(block, batch, rows_payloads), True,
+                             rows_payloads[0].columns.plan.types)
         values: list[list[Any]] = []
         positions = block.positions.tolist()
         for name in names:
@@ -547,7 +576,7 @@ class ClickHouseBlockWriter:
                     col.extend([value] * payload.count)
                 else:
                     part = payload.columns.values[j][payload.start:payload.stop]
-                    col.extend(part.tolist() if isinstance(part, np.ndarray) else part)
+                    col.extend(part.tolist() if hasattr(part, "tolist") else part)
             values.append(col)
         return BlockData(names, values, False)
 
@@ -567,13 +596,12 @@ class ClickHouseBlockWriter:
             for ch, fd, values in zip(cs.plan.types, cs.plan.fields, cs.values, strict=True):
                 if not numpy_type_ok(ch):
                     return False
-                if fd is not None and not isinstance(values, np.ndarray):
+                if fd is not None and not isinstance(values, (np.ndarray, *NATIVE_COLUMNS)):
                     return False
         return True
 
     @staticmethod
-    def _array_columns(block: Block, batch: Batch, payloads: Sequence[Rows]
-                       ) -> list[npt.NDArray[Any]]:
+    def _array_columns(block: Block, batch: Batch, payloads: Sequence[Rows]) -> list[Any]:
         plan = payloads[0].columns.plan
         counts = np.fromiter((p.count for p in payloads), dtype=np.int64, count=len(payloads))
         # Consecutive payloads that are adjacent slices of one ColumnSet (the usual
@@ -585,11 +613,12 @@ class ClickHouseBlockWriter:
             else:
                 runs.append((p.columns, p.start, p.stop))
         n = int(counts.sum())
-        out: list[npt.NDArray[Any]] = []
+        out: list[Any] = []
         for j, name in enumerate(plan.columns):
+            col: Any
             if plan.fields[j] is None and name in COORDINATE_COLUMNS:
                 if name == "_topic":
-                    col = np.full(n, block.topic, dtype=object)
+                    col = StringColumn.repeat(block.topic, n)
                 elif name == "_partition":
                     col = np.full(n, block.partition, dtype=np.int64)
                 else:
@@ -598,9 +627,9 @@ class ClickHouseBlockWriter:
                 parts = []
                 for cs, start, stop in runs:
                     values = cs.values[j]
-                    assert isinstance(values, np.ndarray)
+                    assert isinstance(values, (np.ndarray, *NATIVE_COLUMNS))
                     parts.append(values[start:stop])
-                col = parts[0] if len(parts) == 1 else np.concatenate(parts)
+                col = concat(parts)
             out.append(col)
         return out
 
@@ -659,7 +688,8 @@ class ClickHouseBlockWriter:
             if dedup:
                 self._check_dedup_mode(client, block, dedup)
             if data.numpy and _is_driver_client(client):
-                return client.execute(sql, data.fresh(), columnar=True,
+                return client.execute(sql, data.fresh(native=_is_native_client(client)),
+                                      columnar=True,
                                       settings={**settings, "use_numpy": True})
             return client.execute(sql, data.fresh(lists=True), columnar=True,
                                   settings=settings)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor
 
+from blockagg.aggregator.clickhouse.native import NATIVE_COLUMNS, NativeBlock
 from blockagg.aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
 from blockagg.aggregator.clickhouse.writer import (
     ClickHouseBlockWriter,
@@ -116,10 +117,14 @@ def test_numpy_block_serialises_like_the_list_block(sample: Descriptor) -> None:
     new = writer().block_data(new_block, new_batch)
     assert not old.numpy and new.numpy
     assert old.names == new.names == tuple(c.name for c in COLUMNS)
-    assert all(isinstance(c, np.ndarray) for c in new.columns)
+    assert all(isinstance(c, (np.ndarray, *NATIVE_COLUMNS)) for c in new.columns)
     assert [c.tolist() for c in new.columns] == old.columns
     wire = serialise(old.names, old.fresh(), numpy=False)
     assert serialise(new.names, new.fresh(), numpy=True) == wire
+    # the Native layout, encoded by blockagg itself (NativeClient), twice
+    native = new.fresh(native=True)
+    assert isinstance(native, NativeBlock) and new.fresh(native=True) is native
+    assert b"".join(native.encoded) == wire
     # the numpy block's lists (a client without numpy mode) and a second attempt too
     assert serialise(new.names, new.fresh(lists=True), numpy=False) == wire
     assert serialise(new.names, new.fresh(), numpy=True) == wire

@@ -1,0 +1,226 @@
+"""The job's CPU per row in one task, without Spark: ``python -m bench.bench_task``.
+
+One Kafka partition's messages of the end-to-end workload (:class:`bench.workload.Rows`:
+``bench/row.proto``'s 10-field ``Event``, 10 rows a message, every table in the
+partition, the ``_topic``/``_partition``/``_offset`` columns) go through
+:func:`blockagg.spark.task.run_range` exactly as a task runs them after the Arrow
+hand-over: envelopes, registry, decode, conversion, block formation, metadata, and a
+real insert of every block into ``ReplicatedMergeTree`` tables on the stack the
+environment points at. The metadata store is in memory (its Kafka commits are the
+I/O side, not CPU per row). The figure is this process's CPU (``time.process_time``)
+per million rows: the servers' share is not in it.
+
+``--baseline DIR`` runs the same measurement with the code of another checkout (a
+``git archive`` of main, say) in child processes, interleaved with this checkout's
+(ABBA: base, new, new, base, ...), each child a fresh process on fresh tables, and
+reports the medians and their ratio. ``--profile FILE`` runs one child of this
+checkout under py-spy instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TOPIC = "bench_task"
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement with the ``blockagg`` this process imports."""
+    import blockagg
+    from bench.workload import Rows, ch_client, stack_env
+    from blockagg.aggregator.config import loads
+    from blockagg.aggregator.core.model import Committed
+    from blockagg.proto.registry import MemoryStore, RegistryCache, register
+    from blockagg.spark.components import DefaultComponents, make_writer
+    from blockagg.spark.offsets import PlannedRange
+    from blockagg.spark.task import TaskContext, run_range
+    from tests.faults.workload import COLUMNS, COORDINATES, ROW_MESSAGE, row_descriptor_set
+
+    env = {**stack_env(), **{k: v for k, v in os.environ.items() if k.startswith("BLOCKAGG_")}}
+    host, ports = env["BLOCKAGG_CH_HOST"], env["BLOCKAGG_CH_PORTS"].split(",")
+    database = f"bench_task_{uuid.uuid4().hex[:8]}"
+    # One partition of the workload: its messages go to the tables round-robin.
+    rows = Rows(args.rows, args.tables, args.rows_per_message, 1, args.seed, database)
+    admin = [ch_client(host, int(p)) for p in ports]
+    names = [f"t{i:03d}" for i in range(args.tables)]
+    for c in admin:
+        c.execute(f"CREATE DATABASE {database}")
+        for name in names:
+            c.execute(f"CREATE TABLE {database}.{name} ({COLUMNS}, {COORDINATES}) ENGINE = "
+                      f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/{name}', "
+                      "'{replica}') ORDER BY id")
+    store = MemoryStore()
+    for name in names:
+        register(store, f"{database}.{name}", ROW_MESSAGE, row_descriptor_set(),
+                 now_ms=1)
+    registry = RegistryCache(store)
+    config = loads(f"""
+[job]
+checkpoint_location = "/tmp/bench_task"
+[kafka]
+"bootstrap.servers" = "127.0.0.1:1"
+[[topics]]
+name = "{TOPIC}"
+replicas = [{", ".join(f'"{host}:{p}"' for p in ports)}]
+[blocks]
+max_rows = {args.block_rows}
+[dead_letters]
+table = "{database}.dead_letters"
+""")
+
+    class Metadata:
+        def __init__(self) -> None:
+            self.commits: dict[tuple[str, int], Committed] = {}
+
+        def committed(self, topic: str, partition: int) -> Committed | None:
+            return self.commits.get((topic, partition))
+
+        def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+            self.commits[(topic, partition)] = Committed(offset, metadata)
+
+    class Components:
+        """The job's writer and a registry in memory; metadata in memory."""
+
+        def __init__(self) -> None:
+            self.metadata = Metadata()
+            self.inner = DefaultComponents()
+            self.writer = make_writer(config, config.topics[0])
+
+        def store(self, config: Any) -> Metadata:
+            return self.metadata
+
+        def sink(self, config: Any, topic: Any) -> Any:
+            return self.writer
+
+        def registry(self, config: Any) -> RegistryCache:
+            return registry
+
+        def dedup_mode(self, config: Any, topic: Any) -> int:
+            return int(self.inner.dedup_mode(config, topic))
+
+    components = Components()
+    offsets: list[int] = []
+    values: list[bytes | None] = []
+    for _, value in rows.envelopes():
+        offsets.append(len(offsets))
+        values.append(value)
+    stamps = [1_700_000_000_000] * len(offsets)
+    tp = (TOPIC, 0)
+    try:
+        # Warm-up: one small batch (imports, connections, plans, live columns).
+        warm = min(len(offsets), args.tables * 2)
+        ctx = TaskContext(config, components, {tp: PlannedRange(TOPIC, 0, 0, warm)}, 1, 1)
+        run_range(ctx, tp, offsets[:warm], values[:warm], stamps[:warm])
+        ctx = TaskContext(config, components,
+                          {tp: PlannedRange(TOPIC, 0, warm, len(offsets))}, 2, 1)
+        w0, c0 = time.perf_counter(), time.process_time()
+        report = run_range(ctx, tp, offsets[warm:], values[warm:], stamps[warm:])
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        stored = sum(int(admin[0].execute(f"SELECT count() FROM {database}.{n}")[0][0])
+                     for n in names)
+    finally:
+        if not args.keep:
+            for c in admin:
+                c.execute(f"DROP DATABASE IF EXISTS {database}")
+    measured = int(report["rows"])
+    return {"code": str(Path(blockagg.__file__).parents[1]), "rows": measured,
+            "stored": stored, "blocks": report["blocks"], "wall_s": wall, "cpu_s": cpu,
+            "cpu_s_per_mrows": cpu / measured * 1e6, "rows_per_cpu_s": measured / cpu}
+
+
+def top_functions(path: Path, n: int) -> list[str]:
+    """Self time per leaf function inside ``run_range`` (py-spy's raw stacks), as %
+    of those samples."""
+    from collections import Counter
+
+    leaf: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if "run_range (" not in stack or not count.isdigit():
+            continue
+        frame = stack.split(";")[-1]
+        name = frame.split(" (")[0] + " (" + frame.split(" (")[-1].split(":")[0].split("/")[-1]
+        leaf[name + ")"] += int(count)
+        total += int(count)
+    return [f"  {100 * c / total:5.1f}%  {name}" for name, c in leaf.most_common(n)]
+
+
+def run_child(code: Path, args: argparse.Namespace, extra: Sequence[str] = ()
+              ) -> dict[str, Any]:
+    cmd = [*extra, sys.executable, str(Path(__file__).resolve()), "--child",
+           "--rows", str(args.rows), "--tables", str(args.tables),
+           "--rows-per-message",
+           str(args.rows_per_message), "--block-rows", str(args.block_rows),
+           "--seed", str(args.seed)]
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    out = subprocess.run(cmd, env=env, cwd=code, check=True, capture_output=True, text=True)
+    last = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
+    return dict(json.loads(last))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=300_000, help="rows in the measured partition")
+    ap.add_argument("--tables", type=int, default=100)
+    ap.add_argument("--rows-per-message", type=int, default=10)
+    ap.add_argument("--block-rows", type=int, default=100_000, help="[blocks] max_rows")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--baseline", type=Path, help="a checkout to compare with (ABBA)")
+    ap.add_argument("--profile", type=Path, help="py-spy one run of this checkout into FILE")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--keep", action="store_true", help="keep the benchmark database")
+    args = ap.parse_args(argv)
+    if args.child:
+        sys.path.insert(0, os.getcwd())
+        print(json.dumps(child(args)))
+        return 0
+    load = os.getloadavg()
+    print(f"# rows={args.rows:,} in one partition, tables={args.tables} "
+          f"rows/message={args.rows_per_message} max_rows={args.block_rows:,}; load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start")
+    if args.profile:
+        result = run_child(REPO, args, ["py-spy", "record", "--gil", "-r", "200", "-f", "raw", "-o",
+                                        str(args.profile), "--"])
+        print(json.dumps(result))
+        print("\n".join(top_functions(args.profile, 30)))
+        return 0
+    codes = [("new", REPO)] if args.baseline is None else [
+        ("base", args.baseline.resolve()), ("new", REPO)]
+    order: list[tuple[str, Path]] = []
+    for i in range(args.repeat):
+        order.extend(codes if i % 2 == 0 else codes[::-1])
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in codes}
+    for name, code in order:
+        result = run_child(code, args)
+        results[name].append(result)
+        print(f"{name:<5} {result['cpu_s_per_mrows']:6.2f} CPU-s/Mrows  "
+              f"wall {result['wall_s']:6.2f} s  rows {result['rows']:,} "
+              f"stored {result['stored']:,} blocks {result['blocks']}  ({result['code']})",
+              flush=True)
+    medians = {name: statistics.median(r["cpu_s_per_mrows"] for r in rs)
+               for name, rs in results.items()}
+    for name, value in medians.items():
+        print(f"median {name:<5} {value:6.2f} CPU-s/Mrows")
+    if "base" in medians:
+        print(f"base/new: {medians['base'] / medians['new']:.2f}x less CPU per row")
+    load = os.getloadavg()
+    print(f"# load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
+    ok = all(r["stored"] >= r["rows"] for rs in results.values() for r in rs)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

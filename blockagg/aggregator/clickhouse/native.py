@@ -1,0 +1,374 @@
+"""Columns kept in ClickHouse's Native layout, and the insert that sends them as is.
+
+The converted columns of a block (:func:`aggregator.clickhouse.types.convert_array`)
+are numpy arrays for numbers and ``DateTime``, and, for the types whose Native
+layout is not one fixed-width array, the classes here, which hold that layout:
+
+* :class:`StringColumn`: byte offsets into one buffer of UTF-8 (or raw) bytes, as
+  Arrow holds them. Native: per value a varint length, then the bytes.
+* :class:`EnumColumn`: per row an index into the column's names. Native: the
+  names' numbers as ``Int8``/``Int16``.
+* :class:`ListColumn` (``Array(T)``): row offsets into one flat column of ``T``.
+  Native: the rows' end offsets as ``UInt64``, then the flat values.
+
+Each has ``tolist()`` giving exactly the values the per-value path
+(:func:`~aggregator.clickhouse.types.convert_column`) gives, ``driver_items()`` giving
+what clickhouse-driver's numpy mode takes, slicing, and :func:`concat`.
+
+:func:`encode_column` serialises a column to the bytes clickhouse-driver writes for
+the same values (``tests/unit/clickhouse/test_native.py`` compares them byte for byte
+for every type here, against the driver's own serialisation), without a Python object
+per value. :class:`NativeClient` is clickhouse-driver's client with one addition: an
+insert whose data is a :class:`NativeBlock` is sent as those bytes, once the server's
+sample block names the same columns with the same types; otherwise (another table
+shape, compression) the driver serialises the block's arrays itself, as before. Either
+way the server receives the same block, so its deduplication hash (18.16) is the same
+on a first attempt, a retry and a replay, whichever path sent it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Union
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from blockagg.aggregator.clickhouse.exceptions import ClickHouseError
+from blockagg.aggregator.clickhouse.types import NUMPY_DTYPES, CHType, parse_type
+
+_I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True, eq=False)
+class StringColumn:
+    """Strings (``binary``: bytes values) as ``data[offsets[i]:offsets[i + 1]]``."""
+
+    offsets: _I64
+    data: npt.NDArray[np.uint8]
+    binary: bool = False
+
+    @classmethod
+    def from_arrow(cls, column: pa.Array) -> StringColumn:
+        """The values of an Arrow ``string``/``binary`` array without nulls (no copy
+        of the bytes)."""
+        if column.null_count:
+            raise ValueError("StringColumn holds no nulls")
+        wide = pa.types.is_large_string(column.type) or pa.types.is_large_binary(column.type)
+        _, offsets_buf, data_buf = column.buffers()
+        n = len(column)
+        raw = np.frombuffer(offsets_buf, dtype=np.int64 if wide else np.int32)
+        offsets = raw[column.offset:column.offset + n + 1].astype(np.int64)
+        data = (np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
+                else np.zeros(0, dtype=np.uint8))
+        binary = pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
+        return cls(offsets, data, binary)
+
+    @classmethod
+    def repeat(cls, value: str, n: int) -> StringColumn:
+        """``value``, ``n`` times."""
+        raw = np.frombuffer(value.encode(), dtype=np.uint8)
+        return cls(np.arange(n + 1, dtype=np.int64) * len(raw), np.tile(raw, n))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.tolist())
+
+    def __getitem__(self, rows: slice) -> StringColumn:
+        start, stop, step = rows.indices(len(self))
+        if step != 1:
+            raise ValueError("StringColumn slices are contiguous")
+        return StringColumn(self.offsets[start:max(start, stop) + 1], self.data, self.binary)
+
+    def tolist(self) -> list[Any]:
+        raw = self.data.tobytes()
+        o = self.offsets.tolist()
+        if self.binary:
+            return [raw[o[i]:o[i + 1]] for i in range(len(o) - 1)]
+        return [raw[o[i]:o[i + 1]].decode() for i in range(len(o) - 1)]
+
+    def driver_items(self) -> npt.NDArray[Any]:
+        return _objects(self.tolist())
+
+    def native(self) -> bytes:
+        """Per value: its length as a LEB128 varint, then its bytes."""
+        lengths = np.diff(self.offsets)
+        n = len(lengths)
+        if n == 0:
+            return b""
+        widths = np.ones(n, dtype=np.int64)
+        for k in range(1, 10):
+            longer = lengths >= (1 << (7 * k))
+            if not longer.any():
+                break
+            widths += longer
+        starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(widths[:-1] + lengths[:-1], out=starts[1:])
+        total = int(starts[-1] + widths[-1] + lengths[-1])
+        out = np.empty(total, dtype=np.uint8)
+        is_data = np.ones(total, dtype=np.bool_)
+        for k in range(int(widths.max())):
+            rows = np.flatnonzero(widths > k)
+            byte = (lengths[rows] >> (7 * k)) & 0x7F
+            byte |= np.where(widths[rows] > k + 1, 0x80, 0)
+            out[starts[rows] + k] = byte
+            is_data[starts[rows] + k] = False
+        out[is_data] = self.data[int(self.offsets[0]):int(self.offsets[-1])]
+        return out.tobytes()
+
+
+@dataclass(frozen=True, eq=False)
+class EnumColumn:
+    """Enum values as indexes into ``names`` (``None``: a value without a name, on a
+    row that is a dead letter and never inserted) and ``numbers`` (the column's
+    number for each name)."""
+
+    index: npt.NDArray[np.intp]
+    names: tuple[str | None, ...]
+    numbers: npt.NDArray[np.int64]
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.tolist())
+
+    def __getitem__(self, rows: slice) -> EnumColumn:
+        return EnumColumn(self.index[rows], self.names, self.numbers)
+
+    def tolist(self) -> list[Any]:
+        return list(_objects(list(self.names))[self.index].tolist())
+
+    def driver_items(self) -> npt.NDArray[Any]:
+        return _objects(list(self.names))[self.index]
+
+    def native(self, ch: CHType) -> bytes:
+        dtype = "<i1" if ch.name == "Enum8" else "<i2"
+        return self.numbers[self.index].astype(dtype).tobytes()
+
+
+Flat = Union[npt.NDArray[Any], StringColumn, EnumColumn, "ListColumn"]
+
+
+@dataclass(frozen=True, eq=False)
+class ListColumn:
+    """``Array(T)`` rows: row ``i`` is ``flat[offsets[i]:offsets[i + 1]]``."""
+
+    offsets: _I64
+    flat: Flat
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.tolist())
+
+    def __getitem__(self, rows: slice) -> ListColumn:
+        start, stop, step = rows.indices(len(self))
+        if step != 1:
+            raise ValueError("ListColumn slices are contiguous")
+        return ListColumn(self.offsets[start:max(start, stop) + 1], self.flat)
+
+    def _values(self) -> Flat:
+        return self.flat[int(self.offsets[0]):int(self.offsets[-1])]
+
+    def tolist(self) -> list[Any]:
+        values = self._values().tolist()
+        bounds = (self.offsets - self.offsets[0]).tolist()
+        return [values[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
+
+    def driver_items(self) -> npt.NDArray[Any]:
+        return _objects(self.tolist())
+
+    def native(self, ch: CHType) -> bytes:
+        ends: bytes = (self.offsets[1:] - self.offsets[0]).astype("<u8").tobytes()
+        return ends + encode_column(ch.children[0], self._values())
+
+
+NativeValues = npt.NDArray[Any] | StringColumn | EnumColumn | ListColumn
+NATIVE_COLUMNS: Final = (StringColumn, EnumColumn, ListColumn)
+
+
+def _objects(items: list[Any]) -> npt.NDArray[Any]:
+    out = np.empty(len(items), dtype=object)
+    out[:] = items
+    return out
+
+
+def concat(parts: Sequence[NativeValues]) -> NativeValues:
+    """The rows of ``parts`` in order, as one column of the same kind."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if isinstance(first, np.ndarray):
+        return np.concatenate(parts)  # type: ignore[arg-type]
+    if isinstance(first, StringColumn):
+        strings = [p for p in parts if isinstance(p, StringColumn)]
+        data = np.concatenate([p.data[int(p.offsets[0]):int(p.offsets[-1])] for p in strings])
+        return StringColumn(_joined_offsets([p.offsets for p in strings]), data, first.binary)
+    if isinstance(first, EnumColumn):
+        enums = [p for p in parts if isinstance(p, EnumColumn)]
+        if any(p.names != first.names or not np.array_equal(p.numbers, first.numbers)
+               for p in enums):
+            raise ClickHouseError("enum columns of one block disagree on their names")
+        return EnumColumn(np.concatenate([p.index for p in enums]), first.names,
+                          first.numbers)
+    lists = [p for p in parts if isinstance(p, ListColumn)]
+    flat = concat([p._values() for p in lists])
+    return ListColumn(_joined_offsets([p.offsets for p in lists]), flat)
+
+
+def _joined_offsets(parts: Sequence[_I64]) -> _I64:
+    """Offsets of consecutive parts rebased to start at 0 and follow each other."""
+    out = [np.zeros(1, dtype=np.int64)]
+    end = 0
+    for offsets in parts:
+        out.append(offsets[1:] - offsets[0] + end)
+        end += int(offsets[-1] - offsets[0])
+    return np.concatenate(out)
+
+
+def native_type_ok(ch: CHType) -> bool:
+    """Whether :func:`encode_column` writes a column of type ``ch``."""
+    if ch.name == "Array":
+        return native_type_ok(ch.children[0])
+    if ch.name == "DateTime":
+        return not ch.args
+    return ch.name in NUMPY_DTYPES or ch.name in ("String", "Enum8", "Enum16")
+
+
+def encode_column(ch: CHType, values: NativeValues) -> bytes:
+    """The column's Native bytes, as clickhouse-driver writes them for these values
+    (no state prefix: none of these types has one)."""
+    if isinstance(values, ListColumn) and ch.name == "Array":
+        return values.native(ch)
+    if isinstance(values, EnumColumn) and ch.name in ("Enum8", "Enum16"):
+        return values.native(ch)
+    if isinstance(values, StringColumn) and ch.name == "String":
+        return values.native()
+    if isinstance(values, np.ndarray) and ch.name in NUMPY_DTYPES and values.dtype != object:
+        if ch.name == "DateTime" and ch.args:
+            raise ClickHouseError(f"no Native encoding of {ch} here")
+        return values.astype(np.dtype(NUMPY_DTYPES[ch.name]).newbyteorder("<")).tobytes()
+    raise ClickHouseError(f"no Native encoding of a {type(values).__name__} column as {ch}")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _binary_str(text: str) -> bytes:
+    raw = text.encode()
+    return _varint(len(raw)) + raw
+
+
+BLOCK_INFO: Final = b"\x01\x00\x02\xff\xff\xff\xff\x00"
+"""clickhouse-driver's ``BlockInfo``: field 1 ``is_overflows`` 0, field 2
+``bucket_num`` -1, end."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed(spec: str) -> CHType:
+    return parse_type(spec)
+
+
+class NativeBlock(tuple[NativeValues, ...]):
+    """A block's columns for :class:`NativeClient`: a tuple (so clickhouse-driver's
+    ``execute`` takes it as insert data) of the converted columns, with their names
+    and types. The encoded bytes are computed once and reused by every attempt."""
+
+    names: tuple[str, ...]
+    types: tuple[CHType, ...]
+    rows: int
+
+    def __new__(cls, names: Sequence[str], types: Sequence[CHType],
+                columns: Sequence[NativeValues]) -> NativeBlock:
+        block = super().__new__(cls, columns)
+        block.names = tuple(names)
+        block.types = tuple(types)
+        block.rows = len(columns[0]) if columns else 0
+        return block
+
+    @functools.cached_property
+    def encoded(self) -> tuple[bytes, ...]:
+        return tuple(encode_column(ch, values)
+                     for ch, values in zip(self.types, self, strict=True))
+
+    def matches(self, columns_with_types: Sequence[tuple[str, str]]) -> bool:
+        """Whether the server's sample block has exactly these columns and types."""
+        return (tuple(n for n, _ in columns_with_types) == self.names
+                and all(_parsed(t) == ch
+                        for (_, t), ch in zip(columns_with_types, self.types, strict=True)))
+
+    def packet_body(self, columns_with_types: Sequence[tuple[str, str]],
+                    revision: int) -> bytes:
+        """The Data packet's block, as clickhouse-driver's ``BlockOutputStream``
+        frames it for a server of protocol ``revision``."""
+        from clickhouse_driver import defines
+
+        parts = [BLOCK_INFO] if revision >= defines.DBMS_MIN_REVISION_WITH_BLOCK_INFO else []
+        parts.append(_varint(len(self.names)) + _varint(self.rows))
+        custom = revision >= defines.DBMS_MIN_REVISION_WITH_CUSTOM_SERIALIZATION
+        for (name, spec), data in zip(columns_with_types, self.encoded, strict=True):
+            parts.append(_binary_str(name) + _binary_str(spec) + (b"\x00" if custom else b""))
+            parts.append(data)
+        return b"".join(parts)
+
+    def driver_columns(self) -> list[Any]:
+        """The same columns as clickhouse-driver's numpy mode takes them."""
+        return [c.driver_items() if isinstance(c, NATIVE_COLUMNS) else c.copy() for c in self]
+
+
+def native_client_class() -> type[Any]:
+    """:class:`NativeClient` (defined on first use: clickhouse-driver is imported
+    lazily, like everywhere in this package)."""
+    return _native_client()
+
+
+@functools.cache
+def _native_client() -> type[Any]:
+    from clickhouse_driver import Client, defines
+    from clickhouse_driver.block import ColumnOrientedBlock
+    from clickhouse_driver.protocol import ClientPacketTypes
+    from clickhouse_driver.varint import write_varint
+    from clickhouse_driver.writer import write_binary_str
+
+    class NativeClient(Client):  # type: ignore[misc]
+        """clickhouse-driver's client; insert data given as a :class:`NativeBlock`
+        goes out as its encoded bytes (see the module doc)."""
+
+        def send_data(self, sample_block: Any, data: Any, types_check: bool = False,
+                      columnar: bool = False) -> int:
+            if not isinstance(data, NativeBlock):
+                return int(super().send_data(sample_block, data, types_check, columnar))
+            connection = self.connection
+            spec = sample_block.columns_with_types
+            if connection.compression or not data.matches(spec):
+                return int(super().send_data(sample_block, data.driver_columns(),
+                                             types_check, True))
+            revision = connection.server_info.used_revision
+            body = data.packet_body(spec, revision)
+            write_varint(ClientPacketTypes.DATA, connection.fout)
+            if revision >= defines.DBMS_MIN_REVISION_WITH_TEMPORARY_TABLES:
+                write_binary_str("", connection.fout)
+            connection.fout.write(body)
+            connection.fout.flush()
+            self.receive_profile_events()
+            connection.send_data(ColumnOrientedBlock())
+            self.receive_profile_events()
+            return data.rows
+
+    return NativeClient

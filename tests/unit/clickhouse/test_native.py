@@ -1,0 +1,212 @@
+"""blockagg's own Native serialisation (aggregator.clickhouse.native) writes, for every
+type it handles, the very bytes clickhouse-driver writes for the same values: 18.16
+deduplicates a retried block by the hash of its data, so a block must serialise alike
+whichever writer (or version of it) sends it. Seeded property tests against the
+driver's own column writers, plus the block framing against its BlockOutputStream."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockagg.aggregator.clickhouse.exceptions import ClickHouseError
+from blockagg.aggregator.clickhouse.native import (
+    EnumColumn,
+    ListColumn,
+    NativeBlock,
+    StringColumn,
+    concat,
+    encode_column,
+    native_type_ok,
+)
+from blockagg.aggregator.clickhouse.types import INT_RANGES, NUMPY_DTYPES, parse_type
+
+
+class ServerInfo:
+    used_revision = 54467  # newer than every revision check the framing has
+
+    def get_timezone(self) -> str:
+        return "UTC"
+
+
+def _context() -> Any:
+    from clickhouse_driver.context import Context
+
+    ctx = Context()
+    ctx.client_settings = {"use_numpy": False, "strings_as_bytes": False,
+                           "strings_encoding": "utf-8", "input_format_null_as_default": False}
+    ctx.settings = {}
+    ctx.server_info = ServerInfo()
+    return ctx
+
+
+def captured(write: Callable[[Any], None]) -> bytes:
+    """What ``write(buffer)`` sends through clickhouse-driver's socket writer."""
+    from clickhouse_driver.bufferedwriter import BufferedSocketWriter
+
+    a, b = socket.socketpair()
+    received: list[bytes] = []
+
+    def drain() -> None:
+        while chunk := b.recv(1 << 16):
+            received.append(chunk)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    try:
+        out = BufferedSocketWriter(a, 1 << 16)
+        write(out)
+        out.flush()
+    finally:
+        a.shutdown(socket.SHUT_WR)
+        a.close()
+        reader.join(10)
+        b.close()
+    return b"".join(received)
+
+
+def driver_bytes(spec: str, items: list[Any]) -> bytes:
+    from clickhouse_driver.columns.service import write_column
+
+    ctx = _context()
+    return captured(lambda out: write_column(ctx, "c", spec, list(items), out))
+
+
+ENUM8 = "Enum8('a' = -128, 'b\\'q' = 0, 'é' = 5, 'z' = 127)"
+ENUM16 = "Enum16('lo' = -32768, 'mid' = 300, 'hi' = 32767)"
+SCALARS = [*INT_RANGES, "Float32", "Float64", "DateTime"]
+
+
+def _numbers(name: str) -> st.SearchStrategy[Any]:
+    if name in INT_RANGES:
+        lo, hi = INT_RANGES[name]
+        return st.integers(lo, hi)
+    if name == "DateTime":
+        return st.integers(0, 2**32 - 1)
+    if name == "Float32":
+        return st.floats(width=32, allow_nan=False)
+    return st.floats(allow_nan=False)
+
+
+def _strings() -> st.SearchStrategy[str]:
+    # lengths across the varint widths (1, 2 and 3 bytes)
+    return st.one_of(st.text(max_size=20), st.text(min_size=120, max_size=140),
+                     st.builds(lambda k, c: c * k, st.integers(16_380, 16_390),
+                               st.sampled_from(["x", "é"])))
+
+
+def _column(spec: str, values: list[Any]) -> Any:
+    """``values`` as convert_array would hold them for column ``spec``."""
+    ch = parse_type(spec)
+    if ch.name == "Array":
+        inner = [v for row in values for v in row]
+        offsets = np.cumsum([0, *map(len, values)]).astype(np.int64)
+        return ListColumn(offsets, _column(str(ch.children[0]), inner))
+    if ch.name == "String":
+        binary = bool(values) and isinstance(values[0], bytes)
+        return StringColumn.from_arrow(pa.array(values, type=pa.binary() if binary
+                                                else pa.string()))
+    if ch.name.startswith("Enum"):
+        names = tuple(ch.enum)
+        numbers = np.array([ch.enum[n] for n in names], dtype=np.int64)
+        return EnumColumn(np.array([names.index(v) for v in values], dtype=np.intp), names,
+                          numbers)
+    return np.array(values, dtype=NUMPY_DTYPES[ch.name])
+
+
+@st.composite
+def columns(draw: st.DrawFn) -> tuple[str, list[Any]]:
+    base = draw(st.sampled_from([*SCALARS, "String", "Bytes", ENUM8, ENUM16]))
+    if base == "Bytes":
+        element: st.SearchStrategy[Any] = st.binary(max_size=200)
+        spec = "String"
+    elif base == "String":
+        element, spec = _strings(), "String"
+    elif base.startswith("Enum"):
+        element, spec = st.sampled_from(list(parse_type(base).enum)), base
+    else:
+        element, spec = _numbers(base), base
+    if draw(st.booleans()):
+        return f"Array({spec})", draw(st.lists(st.lists(element, max_size=6), max_size=30))
+    return spec, draw(st.lists(element, max_size=40))
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(columns())
+def test_native_bytes_are_the_drivers(case: tuple[str, list[Any]]) -> None:
+    spec, values = case
+    column = _column(spec, values)
+    assert native_type_ok(parse_type(spec))
+    assert column.tolist() == _column(spec, values).tolist()
+    assert encode_column(parse_type(spec), column) == driver_bytes(spec, values)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(columns(), st.data())
+def test_slices_and_concat_keep_the_rows(case: tuple[str, list[Any]], data: st.DataObject
+                                         ) -> None:
+    """A block's column is slices of decoded columns joined (the writer's runs): the
+    same rows, the same bytes as the joined values written at once."""
+    spec, values = case
+    column = _column(spec, values)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(values)), max_size=4)))
+    bounds = [0, *cuts, len(values)]
+    parts = [column[a:b] for a, b in itertools.pairwise(bounds)]
+    joined = concat(parts)
+    assert joined.tolist() == list(values) == [v for p in parts for v in p.tolist()]
+    assert encode_column(parse_type(spec), joined) == driver_bytes(spec, values)
+    for part, (a, b) in zip(parts, itertools.pairwise(bounds), strict=True):
+        assert encode_column(parse_type(spec), part) == driver_bytes(spec, values[a:b])
+
+
+def test_repeat_and_driver_items() -> None:
+    topic = StringColumn.repeat("tøpic", 3)
+    assert topic.tolist() == ["tøpic"] * 3
+    assert encode_column(parse_type("String"), topic) == driver_bytes("String", ["tøpic"] * 3)
+    assert StringColumn.repeat("x", 0).tolist() == []
+    enum = _column(ENUM8, ["z", "a"])
+    assert enum.driver_items().tolist() == ["z", "a"]
+    lists = _column("Array(String)", [["a"], [], ["b", "c"]])
+    assert lists.driver_items().tolist() == [["a"], [], ["b", "c"]]
+
+
+def test_refuses_what_it_does_not_encode() -> None:
+    assert not native_type_ok(parse_type("Nullable(Int64)"))
+    assert not native_type_ok(parse_type("DateTime('UTC')"))
+    assert not native_type_ok(parse_type("Array(Nullable(Int8))"))
+    with pytest.raises(ClickHouseError):
+        encode_column(parse_type("String"), np.array(["a"], dtype=object))
+    with pytest.raises(ClickHouseError):
+        concat([_column(ENUM8, ["a"]), _column(ENUM16, ["lo"])])
+
+
+def test_block_framing_is_the_drivers() -> None:
+    """The Data packet body NativeClient sends is BlockOutputStream's for the same
+    block (block info, sizes, names, types, the custom-serialisation byte)."""
+    from clickhouse_driver.block import ColumnOrientedBlock
+    from clickhouse_driver.streams.native import BlockOutputStream
+
+    specs = [("id", "UInt64"), ("name", "String"), ("kind", ENUM8),
+             ("tags", "Array(Int64)")]
+    values: list[list[Any]] = [[1, 2, 3], ["x", "", "yé"], ["a", "z", "a"],
+                               [[1, -2], [], [3]]]
+    block = NativeBlock([n for n, _ in specs], [parse_type(t) for _, t in specs],
+                        [_column(t, v) for (_, t), v in zip(specs, values, strict=True)])
+    ctx = _context()
+    for revision in (54406, 54467):
+        ctx.server_info.used_revision = revision
+        want = captured(lambda out: BlockOutputStream(out, ctx).write(
+            ColumnOrientedBlock(specs, [list(v) for v in values])))
+        assert block.packet_body(specs, revision) == want
+    assert block.matches(specs)
+    assert not block.matches([*specs[:3], ("tags", "Array(Int32)")])
+    assert not block.matches([("other", "UInt64"), *specs[1:]])
