@@ -577,6 +577,17 @@ class Driver:
         self.failure = error
         self.request_stop("lock membership lost")
 
+    def _trigger_active(self) -> bool:
+        """Whether Spark is constructing or running a micro-batch. Checked with
+        ``_in_batch`` before ``query.stop()``: Spark spends a while fetching offsets and
+        writing its offset log before it calls ``on_batch``, and a stop in that time
+        would interrupt the batch as it enters ``on_batch`` (it is then abandoned and
+        replayed at the next start, but Spark and Hadoop log the interruption)."""
+        try:
+            return bool(self.query is not None and self.query.status.get("isTriggerActive"))
+        except Exception:  # the query ending under us: nothing runs any more
+            return False
+
     def _update_lag(self) -> bool:
         """Lag gauges from the last progress; True when every partition is caught up."""
         progress = _progress_dict(self.query.lastProgress) if self.query else None
@@ -668,6 +679,7 @@ class Driver:
                         stop_deadline = time.monotonic() + self.config.job.stop_timeout
                     with self._state:
                         busy = self._in_batch
+                    busy = busy or self._trigger_active()
                     if not busy or time.monotonic() > stop_deadline:
                         if busy:
                             logs.event(log, "stop timeout: abandoning the running batch",
