@@ -145,7 +145,12 @@ def open_attempt(store: MetadataStore, topic: str, partition: int) -> Attempt | 
 
 def make_writer(config: Config, topic: TopicConfig) -> Any:
     """The ClickHouse writer of ``topic``'s shard (``aggregator.clickhouse.writer``)."""
-    from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+    from blockagg.aggregator.clickhouse.writer import (
+        ClickHouseBlockWriter,
+        Replica,
+        WriterConfig,
+        tls_arguments,
+    )
 
     ch = config.clickhouse
     quorum = config.insert_quorum_for(topic)
@@ -160,6 +165,7 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
         connect_timeout_s=ch.connect_timeout,
         send_receive_timeout_s=ch.send_receive_timeout,
         ping_after_idle_s=ch.ping_after_idle,
+        tls=tls_arguments(ch.secure, ch.verify, ch.ca_certs),
         dead_letter_table=config.dead_letters.table,
         extra_settings=dict(ch.settings),
     ))

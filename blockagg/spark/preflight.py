@@ -15,6 +15,7 @@ import time
 
 from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.startup import check_replicas, driver_check
+from blockagg.aggregator.clickhouse.writer import tls_arguments
 from blockagg.aggregator.config import Config
 from blockagg.aggregator.kafka.startup import check_topics
 
@@ -33,12 +34,15 @@ def run(config: Config, clickhouse: bool = True) -> None:
     check_topics(config.kafka.librdkafka_config(), names, patterns)
     timeout = min(CLICKHOUSE_TIMEOUT, config.clickhouse.connect_timeout)
     seen: set[tuple[str, int]] = set()
+    ch = config.clickhouse
+    tls = tls_arguments(ch.secure, ch.verify, ch.ca_certs)
     for topic in config.topics if clickhouse else ():
         replicas = [r for r in topic.replicas if (r.host, r.port) not in seen]
         seen.update((r.host, r.port) for r in replicas)
         check_replicas(
             (driver_check(r.host, r.port, config.clickhouse.user,
-                          config.clickhouse.password.reveal(), timeout) for r in replicas),
+                          config.clickhouse.password.reveal(), timeout, tls=tls)
+             for r in replicas),
             config.dead_letters.table)
     logs.event(log, "start-up checks passed", seconds=round(time.monotonic() - started, 3),
                topics=len(config.topics), replicas=len(seen))

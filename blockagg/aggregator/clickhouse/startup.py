@@ -125,14 +125,16 @@ class ReplicaCheck:
 
 
 def driver_check(host: str, port: int, user: str, password: str,
-                 timeout: float, fixes: Fixes | None = None) -> ReplicaCheck:
-    """A :class:`ReplicaCheck` over a real clickhouse-driver connection."""
+                 timeout: float, fixes: Fixes | None = None,
+                 tls: Mapping[str, Any] | None = None) -> ReplicaCheck:
+    """A :class:`ReplicaCheck` over a real clickhouse-driver connection (with the
+    job's TLS arguments, so the check connects as the job will)."""
     from clickhouse_driver import Client
 
     def connect() -> Any:
         return Client(host, port=port, user=user, password=password,
                       connect_timeout=timeout, send_receive_timeout=timeout,
-                      sync_request_timeout=timeout)
+                      sync_request_timeout=timeout, **(tls or {}))
 
     return ReplicaCheck(host, port, user, connect, fixes)
 

@@ -235,6 +235,9 @@ class WriterConfig:
     use_numpy: bool = True
     """Send blocks whose columns are numpy arrays through clickhouse-driver's numpy
     mode (when the driver's numpy extras, i.e. pandas, are installed)."""
+    tls: Mapping[str, Any] = field(default_factory=dict)
+    """clickhouse-driver's TLS arguments (``secure``, ``verify``, ``ca_certs``), from
+    ``[clickhouse]`` (:func:`tls_arguments`)."""
     ping_after_idle_s: float = 5.0
     """clickhouse-driver pings the server before every query; a connection that
     carried a query less than this many seconds ago skips the ping (0: always ping).
@@ -291,12 +294,24 @@ def default_client_factory(config: WriterConfig) -> Callable[[Replica], Client]:
         client: Any = DriverClient(
             replica.host, port=replica.port, user=config.user, password=config.password,
             connect_timeout=config.connect_timeout_s,
-            send_receive_timeout=config.send_receive_timeout_s)
+            send_receive_timeout=config.send_receive_timeout_s, **config.tls)
         client.connection.__class__ = _recently_used_connection()
         client.connection.ping_after_idle_s = config.ping_after_idle_s
         made: Client = client
         return made
     return make
+
+
+def tls_arguments(secure: bool, verify: bool, ca_certs: str | None) -> dict[str, Any]:
+    """clickhouse-driver's TLS keyword arguments for ``[clickhouse] secure / verify /
+    ca_certs``: every connection the job, ``ba-schema`` and the start-up checks open
+    takes these, so a TLS setting never applies to some connections only."""
+    if not secure:
+        return {}
+    arguments: dict[str, Any] = {"secure": True, "verify": verify}
+    if ca_certs is not None:
+        arguments["ca_certs"] = ca_certs
+    return arguments
 
 
 def connected_version(client: Client) -> tuple[int, ...]:

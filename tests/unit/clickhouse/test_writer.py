@@ -271,3 +271,45 @@ def test_quorum_error_names_a_replica_that_does_not_answer() -> None:
     assert replicas_with_part(QUORUM_286) == ("r1",)
     assert is_quorum_failure(159, "Timeout while waiting for quorum")
     assert not is_quorum_failure(159, "Timeout exceeded: elapsed 5 seconds")
+
+
+def test_tls_settings_reach_every_connection_the_job_opens() -> None:
+    """``[clickhouse] secure / verify / ca_certs`` were parsed but no connection took
+    them; now the writer's clients and the start-up check connect with them."""
+    from blockagg.aggregator.clickhouse.startup import driver_check
+    from blockagg.aggregator.clickhouse.writer import (
+        Replica,
+        WriterConfig,
+        default_client_factory,
+        tls_arguments,
+    )
+    from blockagg.aggregator.config import loads
+    from blockagg.spark.components import make_writer
+
+    assert tls_arguments(False, True, "/ca.pem") == {}
+    tls = tls_arguments(True, False, "/ca.pem")
+    assert tls == {"secure": True, "verify": False, "ca_certs": "/ca.pem"}
+
+    client = default_client_factory(WriterConfig((Replica("ch", 9440),), tls=tls))(
+        Replica("ch", 9440))
+    assert client.connection.secure_socket is True  # type: ignore[attr-defined]
+    assert client.connection.verify_cert is False  # type: ignore[attr-defined]
+    assert client.connection.ssl_options == {"ca_certs": "/ca.pem"}  # type: ignore[attr-defined]
+
+    check = driver_check("ch", 9440, "u", "p", 1.0, tls=tls)
+    assert check._connect().connection.secure_socket is True
+
+    config = loads("""
+[job]
+checkpoint_location = "/tmp/ck"
+[kafka]
+"bootstrap.servers" = "k:9092"
+[[topics]]
+name = "t"
+replicas = ["ch:9440"]
+[clickhouse]
+secure = true
+ca_certs = "/ca.pem"
+""")
+    assert make_writer(config, config.topics[0]).config.tls == {
+        "secure": True, "verify": True, "ca_certs": "/ca.pem"}
