@@ -57,7 +57,7 @@ from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.core.protocol import undecodable_commit
 from blockagg.aggregator.exceptions import ConfigError
 from blockagg.spark.components import Components, DefaultComponents
-from blockagg.spark.exceptions import BatchTimedOut, JobError, refusal_in
+from blockagg.spark.exceptions import BatchTimedOut, JobError, StoppedBeforeBatch, refusal_in
 from blockagg.spark.idle import IdleRefresher, broker_retention_minutes, check_idle_interval
 from blockagg.spark.lock import GroupLock, check_metadata_group_idle
 from blockagg.spark.metrics import JobMetrics
@@ -480,10 +480,16 @@ class Driver:
         return ranges
 
     def on_batch(self, df: Any, batch_id: int) -> None:
-        """One micro-batch. A batch that starts after a stop request still runs in
-        full (raising here would fail the query with Spark's error trace); the wait
-        loop stops the query once no batch runs."""
+        """One micro-batch. A batch that was running when the stop was requested runs
+        in full; one that Spark starts after it is refused at once
+        (:class:`StoppedBeforeBatch`, nothing read or written), which ends the query:
+        ``query.stop()`` would interrupt it wherever it is, and with a backlog Spark
+        starts the next batch as soon as one ends."""
         with self._state:
+            if self._stop_requested.is_set():
+                logs.event(log, "batch not started: the stop was requested (the next "
+                           "start runs it)", batch=batch_id)
+                raise StoppedBeforeBatch(f"batch {batch_id} not started: stop requested")
             self._in_batch = True
         started = time.time()
         try:
@@ -578,11 +584,11 @@ class Driver:
         self.request_stop("lock membership lost")
 
     def _trigger_active(self) -> bool:
-        """Whether Spark is constructing or running a micro-batch. Checked with
-        ``_in_batch`` before ``query.stop()``: Spark spends a while fetching offsets and
-        writing its offset log before it calls ``on_batch``, and a stop in that time
-        would interrupt the batch as it enters ``on_batch`` (it is then abandoned and
-        replayed at the next start, but Spark and Hadoop log the interruption)."""
+        """Whether Spark is in a trigger: planning a micro-batch, in ``on_batch``, or
+        writing its commit log after it. The stop calls ``query.stop()`` only outside
+        one, since ``stop()`` interrupts whatever the trigger does (Hadoop then logs the
+        interrupted checkpoint write with a Java trace). A trigger that starts a batch
+        after the stop request ends the query by itself (:class:`StoppedBeforeBatch`)."""
         try:
             return bool(self.query is not None and self.query.status.get("isTriggerActive"))
         except Exception:  # the query ending under us: nothing runs any more
@@ -690,7 +696,8 @@ class Driver:
                 try:
                     self.query.awaitTermination(0.5)
                 except Exception as exc:  # the query ended with an error
-                    self.failure = exc
+                    if self.failure is None and not _stop_ended(exc):
+                        self.failure = exc
                     break
         finally:
             self.watchdog.stop()
@@ -699,7 +706,7 @@ class Driver:
             if self.jvm_signals is not None:
                 self.jvm_signals.restore()
         error = self.query.exception()
-        if error is not None and self.failure is None:
+        if error is not None and self.failure is None and not _stop_ended(error):
             self.failure = error
         if stopped_here and self.failure is not None and _cancelled(self.failure):
             # a batch that started between the last check and query.stop() was
@@ -733,6 +740,12 @@ def refusal_reasons(text: str) -> list[str]:
 
 
 _PYTHON_ERROR = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*): (.+)$", re.M)
+
+
+def _stop_ended(exc: BaseException) -> bool:
+    """Whether the query ended because :meth:`Driver.on_batch` refused a batch that
+    started after the stop request (the stop itself, not a failure)."""
+    return StoppedBeforeBatch.__name__ in str(getattr(exc, "desc", None) or exc)
 
 
 def _cancelled(exc: BaseException) -> bool:

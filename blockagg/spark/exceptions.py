@@ -29,6 +29,12 @@ class BatchTimedOut(JobError):
     (``spark.watch``)."""
 
 
+class StoppedBeforeBatch(JobError):
+    """A micro-batch that Spark started after the stop request: refused before it
+    reads or writes anything, so Spark does not record it as done and the next start
+    runs it. This ends the query without interrupting any batch."""
+
+
 class TaskContractError(JobError):
     """A Spark task got rows that break the one-partition-per-task contract."""
 

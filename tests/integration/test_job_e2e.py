@@ -264,7 +264,7 @@ def test_sigterm_graceful_kill9_safe_and_second_job_refused(
     producer.messages(200)
     first = job.popen()
     try:
-        _wait_for(first, "batch")
+        _wait_for(first, "batch kind=")
         # A second job on the same group and topic is refused.
         second = job.run(timeout=180)
         assert second.returncode != 0
@@ -275,7 +275,7 @@ def test_sigterm_graceful_kill9_safe_and_second_job_refused(
         first.wait(30)
         producer.messages(100)
         third = job.popen()
-        _wait_for(third, "batch")
+        _wait_for(third, "batch kind=")
         time.sleep(3)
         os.kill(third.pid, signal.SIGTERM)
         rest, _ = third.communicate(timeout=120)

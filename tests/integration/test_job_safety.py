@@ -76,7 +76,7 @@ def test_commit_beyond_the_partitions_end_refuses_the_batch_in_its_task(
     producer.messages(30)
     proc = job.popen()
     try:
-        _wait_for(proc, "batch")
+        _wait_for(proc, "batch kind=")
         _wait_delivered(job)
         before = {key for rows in stored(job.sink).rows.values() for key in rows}
         # An offset reset forward that no tool clamped (or the topic recreated under a
@@ -106,7 +106,7 @@ def test_an_undecodable_commit_refuses_its_partition_with_a_clear_message(
     producer.messages(30)
     proc = job.popen()
     try:
-        _wait_for(proc, "batch")
+        _wait_for(proc, "batch kind=")
         _wait_delivered(job)
         _commit(job, 1, 10, CRAFTED)
         producer.messages(30)
@@ -141,7 +141,7 @@ def test_quiet_partitions_are_recommitted_unchanged_and_verify_stays_clean(
     producer.messages(30)
     proc = job.popen("--set", "job.idle_commit_interval=2s")
     try:
-        _wait_for(proc, "batch")
+        _wait_for(proc, "batch kind=")
         delivered = _wait_delivered(job)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -180,7 +180,7 @@ def test_a_missing_replay_block_is_given_up_without_losing_other_tables(
     producer.messages(30)
     proc = job.popen()
     try:
-        _wait_for(proc, "batch")
+        _wait_for(proc, "batch kind=")
         _wait_delivered(job)
         _commit(job, 0, 10, encode(Metadata(1, 5, 10, 20, 10, (BlockRange(1, 10, 15),))))
         producer.messages(30)

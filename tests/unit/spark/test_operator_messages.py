@@ -182,15 +182,24 @@ def _driver() -> Driver:
     return Driver(loads(CONFIG), MagicMock(), components=MagicMock(), run_id=1)
 
 
-def test_a_batch_after_a_stop_request_runs_in_full() -> None:
+def test_a_batch_started_after_the_stop_request_is_refused_before_any_io() -> None:
+    from blockagg.spark.driver import _stop_ended
+    from blockagg.spark.exceptions import StoppedBeforeBatch
+
     d = _driver()
-    d.request_stop("SIGTERM")
     d._planned = MagicMock(return_value={})  # type: ignore[method-assign]
     d.run_ranges = MagicMock(  # type: ignore[method-assign]
         side_effect=lambda df, ranges, batch_id: BatchSummary(batch_id))
-    d.on_batch(MagicMock(), 7)  # no GracefulStop: Spark would log a trace for it
-    assert [b.batch_id for b in d.batches] == [7]
-    assert not d._in_batch
+    d.on_batch(MagicMock(), 6)
+    d.request_stop("SIGTERM")
+    with pytest.raises(StoppedBeforeBatch) as refused:
+        d.on_batch(MagicMock(), 7)
+    assert [b.batch_id for b in d.batches] == [6]
+    assert d._planned.call_count == 1 and not d._in_batch
+    # the query's error, as Spark wraps it, is the stop, not a failure
+    wrapped = RuntimeError("FOREACH_BATCH_USER_FUNCTION_ERROR ... "
+                           f"blockagg.spark.exceptions.StoppedBeforeBatch: {refused.value}")
+    assert _stop_ended(wrapped) and not _stop_ended(RuntimeError("OffsetGap: t[0]"))
 
 
 def test_one_signal_per_process_asks_a_second_one_of_the_same_process_exits(
