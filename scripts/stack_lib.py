@@ -25,6 +25,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -66,6 +67,8 @@ PORT_DEFAULTS: dict[str, tuple[str, int]] = {
     "ch2_tcp": ("BLOCKAGG_CH2_TCP_PORT", 19100),
     "ch2_http": ("BLOCKAGG_CH2_HTTP_PORT", 18223),
     "ch2_interserver": ("BLOCKAGG_CH2_INTERSERVER_PORT", 19109),
+    "ch1_tcp_secure": ("BLOCKAGG_CH1_TCP_SECURE_PORT", 19440),
+    "ch2_tcp_secure": ("BLOCKAGG_CH2_TCP_SECURE_PORT", 19540),
 }
 
 SERVICES = ("zookeeper", "clickhouse-r1", "clickhouse-r2", "kafka")
@@ -90,6 +93,8 @@ class Ports:
     ch2_tcp: int
     ch2_http: int
     ch2_interserver: int
+    ch1_tcp_secure: int
+    ch2_tcp_secure: int
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Ports:
@@ -120,6 +125,7 @@ class Replica:
     tcp: int
     http: int
     interserver: int
+    tcp_secure: int  # the native protocol over TLS (certificate: StackConfig.tls_dir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +154,8 @@ class StackConfig:
     def replicas(self) -> tuple[Replica, Replica]:
         p = self.ports
         return (
-            Replica("r1", p.ch1_tcp, p.ch1_http, p.ch1_interserver),
-            Replica("r2", p.ch2_tcp, p.ch2_http, p.ch2_interserver),
+            Replica("r1", p.ch1_tcp, p.ch1_http, p.ch1_interserver, p.ch1_tcp_secure),
+            Replica("r2", p.ch2_tcp, p.ch2_http, p.ch2_interserver, p.ch2_tcp_secure),
         )
 
     def service_dir(self, service: str) -> Path:
@@ -166,6 +172,12 @@ class StackConfig:
     @property
     def maven_repo(self) -> Path:
         return self.root / "m2"
+
+    @property
+    def tls_dir(self) -> Path:
+        """The stack's own certificate authority and the replicas' server certificate
+        (for 127.0.0.1 and localhost): ``ca.pem`` is what a client verifies against."""
+        return self.root / "tls"
 
 
 ZK_SESSION_TIMEOUT_VAR = "BLOCKAGG_CH_ZK_SESSION_TIMEOUT_MS"
@@ -283,6 +295,50 @@ def render_zoo_cfg(cfg: StackConfig) -> str:
     )
 
 
+TLS_FILES = ("ca.pem", "server.pem", "server.key")
+_SERVER_EXTENSIONS = """basicConstraints = critical, CA:FALSE
+keyUsage = critical, digitalSignature, keyEncipherment
+extendedKeyUsage = serverAuth
+subjectAltName = IP:127.0.0.1, DNS:localhost
+subjectKeyIdentifier = hash
+authorityKeyIdentifier = keyid, issuer
+"""
+
+
+def make_tls_certificates(folder: Path) -> None:
+    """A private certificate authority and a server certificate it signed for
+    127.0.0.1 and localhost, made once per stack folder with ``openssl``, so the
+    replicas' secure port is exercised with verification on, as users run it. The CA's
+    key is deleted once it has signed: nothing else can be issued under it."""
+    if all((folder / name).exists() for name in TLS_FILES):
+        return
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise StackError("openssl not found; run as root: apt-get install -y openssl")
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        t = Path(tmp)
+        (t / "server.ext").write_text(_SERVER_EXTENSIONS)
+        steps = [
+            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "3650",
+             "-subj", "/CN=blockagg local stack CA", "-keyout", "ca.key", "-out", "ca.pem",
+             "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+            ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+             "-keyout", "server.key", "-out", "server.csr"],
+            ["x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-days", "3650", "-extfile", "server.ext", "-out", "server.pem"],
+        ]
+        for args in steps:
+            res = subprocess.run([openssl, *args], cwd=t, capture_output=True, text=True,
+                                 check=False)
+            if res.returncode != 0:
+                raise StackError(f"openssl {args[0]} failed making the stack's TLS "
+                                 f"certificates in {folder}: {res.stderr.strip()}")
+        for name in TLS_FILES:
+            (t / name).replace(folder / name)
+
+
 def render_clickhouse_config(cfg: StackConfig, replica: Replica) -> str:
     d = cfg.service_dir(f"clickhouse-{replica.name}")
     data = d / "data"
@@ -302,6 +358,18 @@ def render_clickhouse_config(cfg: StackConfig, replica: Replica) -> str:
     </logger>
     <listen_host>{HOST}</listen_host>
     <tcp_port>{replica.tcp}</tcp_port>
+    <tcp_port_secure>{replica.tcp_secure}</tcp_port_secure>
+    <openSSL>
+        <server>
+            <certificateFile>{cfg.tls_dir / "server.pem"}</certificateFile>
+            <privateKeyFile>{cfg.tls_dir / "server.key"}</privateKeyFile>
+            <verificationMode>none</verificationMode>
+            <loadDefaultCAFile>false</loadDefaultCAFile>
+            <cacheSessions>true</cacheSessions>
+            <disableProtocols>sslv2,sslv3,tlsv1,tlsv1_1</disableProtocols>
+            <preferServerCiphers>true</preferServerCiphers>
+        </server>
+    </openSSL>
     <http_port>{replica.http}</http_port>
     <interserver_http_port>{replica.interserver}</interserver_http_port>
     <interserver_http_host>{HOST}</interserver_http_host>
@@ -452,6 +520,8 @@ def env_values(cfg: StackConfig, spark_jars: Sequence[Path]) -> dict[str, str]:
         "BLOCKAGG_CH_HOST": HOST,
         "BLOCKAGG_CH_PORTS": f"{p.ch1_tcp},{p.ch2_tcp}",
         "BLOCKAGG_CH_HTTP_PORTS": f"{p.ch1_http},{p.ch2_http}",
+        "BLOCKAGG_CH_SECURE_PORTS": f"{p.ch1_tcp_secure},{p.ch2_tcp_secure}",
+        "BLOCKAGG_CH_CA_CERTS": str(cfg.tls_dir / "ca.pem"),
         "BLOCKAGG_CH_CLUSTER": CLUSTER_NAME,
         "BLOCKAGG_SPARK_VERSION": cfg.spark_version or "",
         "BLOCKAGG_SPARK_JARS": ",".join(str(j) for j in spark_jars),
@@ -793,13 +863,15 @@ def build_services(cfg: StackConfig) -> dict[str, Service]:
             (d / "logs").mkdir(parents=True, exist_ok=True)
             (d / "config.xml").write_text(render_clickhouse_config(cfg, r))
             (d / "users.xml").write_text(CLICKHOUSE_USERS)
+            make_tls_certificates(cfg.tls_dir)
 
         def ch_command(d: Path = d) -> list[str]:
             return [CLICKHOUSE_SERVER, f"--config-file={d / 'config.xml'}"]
 
         services[f"clickhouse-{r.name}"] = Service(
             name=f"clickhouse-{r.name}",
-            ports={"tcp": r.tcp, "http": r.http, "interserver": r.interserver},
+            ports={"tcp": r.tcp, "http": r.http, "interserver": r.interserver,
+                   "tcp_secure": r.tcp_secure},
             workdir=d,
             command=ch_command,
             probe=lambda r=r: probe_clickhouse(r.http),  # type: ignore[misc]
@@ -842,6 +914,8 @@ def missing_system_packages() -> list[str]:
         missing.append("openjdk-17-jre-headless")
     if not shutil.which("mvn"):
         missing.append("maven")
+    if not shutil.which("openssl"):
+        missing.append("openssl")
     return missing
 
 

@@ -37,6 +37,9 @@ from blockagg.proto.registry import (
 
 ColumnsFn = Callable[[str], Sequence[Any]]
 CHECK_TIMEOUT = 8.0
+TLS_FIX = ("--clickhouse-ca-certs (the CA that signed the server's certificate), "
+           "--clickhouse-no-verify, or --clickhouse-secure with the secure port "
+           "(9440 by default; plain 9000)")
 
 
 @dataclass
@@ -53,7 +56,8 @@ def _fail(ctx: Context, code: int, message: str, **extra: Any) -> NoReturn:
     sys.exit(code)
 
 
-def _clickhouse_columns(hosts: Sequence[str], user: str, password: str) -> ColumnsFn:
+def _clickhouse_columns(hosts: Sequence[str], user: str, password: str,
+                        tls: dict[str, Any]) -> ColumnsFn:
     def fetch(table: str) -> Sequence[Any]:
         from blockagg.aggregator.clickhouse.startup import Fixes, check_replicas, driver_check
         from blockagg.aggregator.clickhouse.writer import (
@@ -69,11 +73,13 @@ def _clickhouse_columns(hosts: Sequence[str], user: str, password: str) -> Colum
         # one bounded, unretried query per endpoint first: a server that is down or
         # refuses the user is one line naming it, not the writer's retries
         fixes = Fixes("--clickhouse HOST:PORT ($BLOCKAGG_CH_HOST, $BLOCKAGG_CH_PORTS)",
-                      "--user / --password ($BLOCKAGG_CH_USER, $BLOCKAGG_CH_PASSWORD)")
-        check_replicas((driver_check(r.host, r.port, user, password, CHECK_TIMEOUT, fixes)
-                        for r in replicas), None)
+                      "--user / --password ($BLOCKAGG_CH_USER, $BLOCKAGG_CH_PASSWORD)",
+                      TLS_FIX)
+        check_replicas((driver_check(r.host, r.port, user, password, CHECK_TIMEOUT, fixes,
+                                     tls) for r in replicas), None)
         writer = ClickHouseBlockWriter(WriterConfig(tuple(replicas), user=user,
-                                                    password=password, max_attempts=2))
+                                                    password=password, max_attempts=2,
+                                                    tls=tls))
         try:
             return writer.describe(table).columns
         finally:
@@ -91,11 +97,11 @@ def _reachable_store(config: dict[str, Any], topic: str) -> Store:
     return KafkaStore(config, topic)
 
 
-def _default_hosts() -> tuple[str, ...]:
+def _default_hosts(secure: bool) -> tuple[str, ...]:
     host = os.environ.get("BLOCKAGG_CH_HOST", "localhost")
-    ports = [p for p in os.environ.get("BLOCKAGG_CH_PORTS", "9000").replace(",", " ").split()
-             if p]
-    return tuple(f"{host}:{p}" for p in ports[:1] or ["9000"])
+    var, port = ("BLOCKAGG_CH_SECURE_PORTS", "9440") if secure else ("BLOCKAGG_CH_PORTS", "9000")
+    ports = [p for p in os.environ.get(var, port).replace(",", " ").split() if p]
+    return tuple(f"{host}:{p}" for p in ports[:1] or [port])
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -112,10 +118,20 @@ def _default_hosts() -> tuple[str, ...]:
                    "the first of $BLOCKAGG_CH_PORTS).")
 @click.option("--user", envvar="BLOCKAGG_CH_USER", default="default", show_default=True)
 @click.option("--password", envvar="BLOCKAGG_CH_PASSWORD", default="")
+@click.option("--clickhouse-secure", "secure", is_flag=True, envvar="BLOCKAGG_CH_SECURE",
+              help="TLS to ClickHouse (the default endpoint becomes $BLOCKAGG_CH_HOST and the "
+                   "first of $BLOCKAGG_CH_SECURE_PORTS, else port 9440).")
+@click.option("--clickhouse-ca-certs", "ca_certs", envvar="BLOCKAGG_CH_CA_CERTS",
+              metavar="FILE",
+              help="CA certificates (PEM) to verify the server with, with "
+                   "--clickhouse-secure; default: the system's.")
+@click.option("--clickhouse-no-verify", "no_verify", is_flag=True,
+              help="Do not verify the server's certificate (testing only).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
 @click.pass_context
 def cli(ctx: click.Context, bootstrap_servers: str, topic: str, kafka_props: tuple[str, ...],
-        ch_hosts: tuple[str, ...], user: str, password: str, as_json: bool) -> None:
+        ch_hosts: tuple[str, ...], user: str, password: str, secure: bool,
+        ca_certs: str | None, no_verify: bool, as_json: bool) -> None:
     """Register protobuf message types for ClickHouse tables."""
     logs.setup(os.environ.get("BLOCKAGG_LOG_LEVEL", "WARNING"), "text")
     if isinstance(ctx.obj, Context):
@@ -127,9 +143,15 @@ def cli(ctx: click.Context, bootstrap_servers: str, topic: str, kafka_props: tup
         if not sep:
             raise click.UsageError(f"-X expects KEY=VALUE, got {prop!r}")
         config[key] = value
-    hosts = ch_hosts or _default_hosts()
+    from blockagg.aggregator.clickhouse.writer import tls_arguments
+
+    if secure and ca_certs is not None and not Path(ca_certs).is_file():
+        raise click.BadParameter(f"{ca_certs!r} is not a file",
+                                 param_hint="--clickhouse-ca-certs ($BLOCKAGG_CH_CA_CERTS)")
+    hosts = ch_hosts or _default_hosts(secure)
+    tls = tls_arguments(secure, not no_verify, ca_certs)
     ctx.obj = Context(as_json, lambda: _reachable_store(config, topic),
-                      _clickhouse_columns(hosts, user, password))
+                      _clickhouse_columns(hosts, user, password, tls))
 
 
 def _summary(reg: Registration) -> dict[str, Any]:

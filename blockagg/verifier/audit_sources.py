@@ -196,14 +196,16 @@ class ClickHouseAuditReader:
     """Row counts per Kafka offset, aggregated and ordered by the server, streamed."""
 
     def __init__(self, host: str, port: int, user: str, password: str,
-                 settings: Mapping[str, Any] | None = None, timeout: float = 10.0) -> None:
+                 settings: Mapping[str, Any] | None = None, timeout: float = 10.0,
+                 tls: Mapping[str, Any] | None = None) -> None:
+        """``tls``: clickhouse-driver's TLS arguments (``writer.tls_arguments``)."""
         from clickhouse_driver import Client
 
         self.address = f"{host}:{port}"
         self.settings = dict(settings or {})
         self._client = Client(host=host, port=port, user=user, password=password,
                               connect_timeout=timeout, send_receive_timeout=max(timeout, 300),
-                              settings=self.settings)
+                              settings=self.settings, **(tls or {}))
 
     def _query(self, query: str, params: Mapping[str, Any] | None = None) -> list[Any]:
         try:
@@ -216,6 +218,12 @@ class ClickHouseAuditReader:
         from clickhouse_driver.errors import NetworkError, SocketTimeoutError
 
         if isinstance(exc, NetworkError | SocketTimeoutError | OSError | EOFError):
+            if "SSL" in str(exc) or "certificate" in str(exc).lower():
+                return AuditError(
+                    f"TLS with ClickHouse at {self.address} failed: {exc}; check "
+                    "--clickhouse-ca-certs (the CA that signed the server's certificate), "
+                    "--clickhouse-no-verify, or --clickhouse-secure with the secure port "
+                    "(9440 by default; plain 9000)")
             return AuditError(f"cannot reach ClickHouse at {self.address}: {exc}; check "
                               "--clickhouse (HOST:PORT of the native protocol, e.g. 9000)")
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)

@@ -357,10 +357,11 @@ def _parse_from_offsets(values: tuple[str, ...]) -> dict[tuple[str | None, int],
     return start
 
 
-def _default_clickhouse() -> str:
+def _default_clickhouse(secure: bool) -> str:
     host = os.environ.get("BLOCKAGG_CH_HOST", "localhost")
-    ports = os.environ.get("BLOCKAGG_CH_PORTS", "9000").replace(",", " ").split()
-    return f"{host}:{ports[0] if ports else '9000'}"
+    var, port = ("BLOCKAGG_CH_SECURE_PORTS", "9440") if secure else ("BLOCKAGG_CH_PORTS", "9000")
+    ports = os.environ.get(var, port).replace(",", " ").split()
+    return f"{host}:{ports[0] if ports else port}"
 
 
 def _parse_table(value: str, option: str) -> str:
@@ -380,9 +381,18 @@ def _parse_table(value: str, option: str) -> str:
               metavar="[TOPIC:]PARTITION=OFFSET",
               help="Audit the partition from OFFSET on (default: its first offset, as "
                    "retention left it); repeatable.")
-@click.option("--clickhouse", "clickhouse", default=_default_clickhouse, metavar="HOST:PORT",
+@click.option("--clickhouse", "clickhouse", default=None, metavar="HOST:PORT",
               show_default="$BLOCKAGG_CH_HOST:first of $BLOCKAGG_CH_PORTS, or localhost:9000",
               help="ClickHouse native-protocol endpoint (one replica of the shard).")
+@click.option("--clickhouse-secure", "secure", is_flag=True, envvar="BLOCKAGG_CH_SECURE",
+              help="TLS to ClickHouse (the default endpoint's port becomes the first of "
+                   "$BLOCKAGG_CH_SECURE_PORTS, else 9440).")
+@click.option("--clickhouse-ca-certs", "ca_certs", envvar="BLOCKAGG_CH_CA_CERTS",
+              metavar="FILE",
+              help="CA certificates (PEM) to verify the server with, with "
+                   "--clickhouse-secure; default: the system's.")
+@click.option("--clickhouse-no-verify", "no_verify", is_flag=True,
+              help="Do not verify the server's certificate (testing only).")
 @click.option("--clickhouse-user", envvar="BLOCKAGG_CH_USER", default="default",
               show_default=True, help="ClickHouse user (env BLOCKAGG_CH_USER).")
 @click.option("--clickhouse-password-env", default="BLOCKAGG_CH_PASSWORD", show_default=True,
@@ -410,7 +420,10 @@ def audit(
     group: str,
     topics: tuple[str, ...],
     from_offsets: tuple[str, ...],
-    clickhouse: str,
+    clickhouse: str | None,
+    secure: bool,
+    ca_certs: str | None,
+    no_verify: bool,
     clickhouse_user: str,
     clickhouse_password_env: str,
     databases: tuple[str, ...],
@@ -430,6 +443,12 @@ def audit(
     start = _parse_from_offsets(from_offsets)
     table_names = [_parse_table(t, "--table") for t in tables]
     dlt = _parse_table(dead_letter_table, "--dead-letter-table") if dead_letter_table else None
+    from blockagg.aggregator.clickhouse.writer import tls_arguments
+
+    clickhouse = clickhouse or _default_clickhouse(secure)
+    if secure and ca_certs is not None and not os.path.isfile(ca_certs):
+        raise click.BadParameter(f"{ca_certs!r} is not a file",
+                                 param_hint="--clickhouse-ca-certs ($BLOCKAGG_CH_CA_CERTS)")
     host, sep, port = clickhouse.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise click.BadParameter(f"{clickhouse!r} is not HOST:PORT", param_hint="--clickhouse")
@@ -448,7 +467,8 @@ def audit(
     try:
         code = _audit(bootstrap_servers, group, list(topics), start, host, int(port),
                       clickhouse_user, password, list(databases), table_names, dlt, examples,
-                      as_json, timeout, passthrough, query_settings)
+                      as_json, timeout, passthrough, query_settings,
+                      tls_arguments(secure, not no_verify, ca_certs))
     except VerifierError as exc:
         click.echo(f"arv: error: {exc}", err=True)
         sys.exit(EXIT_CANNOT_RUN)
@@ -459,14 +479,14 @@ def _audit(bootstrap_servers: str, group: str, topics: list[str],
            start: dict[tuple[str | None, int], int], host: str, port: int, user: str,
            password: str, databases: list[str], tables: list[str], dlt: str | None,
            examples: int, as_json: bool, timeout: float, settings: dict[str, str],
-           query_settings: dict[str, str]) -> int:
+           query_settings: dict[str, str], tls: dict[str, Any]) -> int:
     from blockagg.verifier.audit_sources import ClickHouseAuditReader, KafkaAuditReader
 
     report = AuditReport(click.get_text_stream("stdout"), as_json)
     begun = time.monotonic()
     with KafkaAuditReader(bootstrap_servers, group, settings, timeout) as kafka, \
             ClickHouseAuditReader(host, port, user, password, query_settings,
-                                  timeout) as clickhouse:
+                                  timeout, tls) as clickhouse:
         warnings: list[str] = []
         plan = make_plan(kafka, clickhouse, topics, tables, databases, dlt, start, examples,
                          warnings)

@@ -5,7 +5,9 @@ environment overrides, generated configs, the Kafka Metadata probe's wire format
 from __future__ import annotations
 
 import shlex
+import shutil
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -32,6 +34,7 @@ def test_default_ports_are_the_documented_ones() -> None:
     assert (p.kafka, p.kafka_controller, p.zk) == (19092, 19093, 12181)
     assert (p.ch1_tcp, p.ch1_http, p.ch1_interserver) == (19000, 18123, 19009)
     assert (p.ch2_tcp, p.ch2_http, p.ch2_interserver) == (19100, 18223, 19109)
+    assert (p.ch1_tcp_secure, p.ch2_tcp_secure) == (19440, 19540)
 
 
 def test_each_port_is_overridable_by_its_env_var() -> None:
@@ -89,8 +92,52 @@ def test_clickhouse_configs_are_xml_with_own_ports_dirs_macros_and_shared_cluste
         assert cluster is not None
         assert [r.findtext("port") for r in cluster.findall("replica")] == ["19000", "19100"]
     assert {r.findtext("tcp_port") for r in roots} == {"19000", "19100"}
+    assert [r.findtext("tcp_port_secure") for r in roots] == ["19440", "19540"]
+    tls = cfg.tls_dir
+    for root in roots:
+        assert root.findtext("openSSL/server/certificateFile") == str(tls / "server.pem")
+        assert root.findtext("openSSL/server/privateKeyFile") == str(tls / "server.key")
     assert roots[0].findtext("path") != roots[1].findtext("path")
     ET.fromstring(stack_lib.CLICKHOUSE_USERS)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is a stack dependency")
+def test_tls_certificates_verify_for_loopback_and_are_made_once(tmp_path: Path) -> None:
+    folder = tmp_path / "tls"
+    stack_lib.make_tls_certificates(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["ca.pem", "server.key", "server.pem"]
+    assert not list(folder.glob("ca.key")), "the CA's key is not kept"
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(folder / "server.pem", folder / "server.key")
+    client = ssl.create_default_context(cafile=str(folder / "ca.pem"))
+    for name in ("127.0.0.1", "localhost"):
+        a, b = socket.socketpair()
+        with a, b:
+            tls_server = server.wrap_socket(a, server_side=True, do_handshake_on_connect=False)
+            tls_client = client.wrap_socket(b, server_hostname=name,
+                                            do_handshake_on_connect=False)
+            _handshake(tls_server, tls_client)
+            assert tls_client.getpeercert() is not None
+    before = (folder / "server.pem").read_bytes()
+    stack_lib.make_tls_certificates(folder)
+    assert (folder / "server.pem").read_bytes() == before
+
+
+def _handshake(*sides: ssl.SSLSocket) -> None:
+    """Both handshakes on non-blocking socket pairs, stepped in turn until both end."""
+    for side in sides:
+        side.setblocking(False)
+    pending = list(sides)
+    for _ in range(1000):
+        for side in list(pending):
+            try:
+                side.do_handshake()
+                pending.remove(side)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                pass
+        if not pending:
+            return
+    raise AssertionError("TLS handshake did not complete")
 
 
 def test_zoo_cfg_listens_on_loopback_and_allows_srvr(tmp_path: Path) -> None:
@@ -153,6 +200,8 @@ def test_env_lines_are_shell_exports_that_round_trip(tmp_path: Path) -> None:
     assert parsed["BLOCKAGG_CH_PORTS"] == "29000,19100"
     assert parsed["BLOCKAGG_CH_HTTP_PORTS"] == "18123,18223"
     assert parsed["BLOCKAGG_ZK"] == "127.0.0.1:12181"
+    assert parsed["BLOCKAGG_CH_SECURE_PORTS"] == "19440,19540"
+    assert parsed["BLOCKAGG_CH_CA_CERTS"] == str(cfg.tls_dir / "ca.pem")
     assert parsed["BLOCKAGG_SPARK_JARS"].split(",") == [str(j) for j in jars]
 
 

@@ -96,6 +96,11 @@ class ClickHouseUnreachable(ClickHouseError):
     """A replica did not accept a connection (down, wrong host or port, firewall)."""
 
 
+class ClickHouseTlsFailed(ClickHouseUnreachable):
+    """The TLS handshake with a replica failed: an unverifiable certificate, or TLS
+    spoken to a plain port."""
+
+
 class ClickHouseAuthFailed(ClickHouseError):
     """A replica refused the configured user (unknown user or wrong password)."""
 

@@ -17,6 +17,7 @@ from typing import Any, Final
 from blockagg.aggregator.clickhouse.exceptions import (
     ClickHouseAuthFailed,
     ClickHouseError,
+    ClickHouseTlsFailed,
     ClickHouseUnreachable,
     DeadLetterTableInvalid,
 )
@@ -60,6 +61,11 @@ class Fixes:
 
     address: str = "the replica's host:port in [[topics]] replicas"
     auth: str = "[clickhouse] user / password (or password_env)"
+    tls: str = ("[clickhouse] ca_certs (the CA that signed the server's certificate), "
+                "verify, or secure (TLS on the secure port, 9440 by default; plain on 9000)")
+
+
+_TLS_FAILURE = re.compile(r"\bSSL\b|CERTIFICATE|certificate verify", re.IGNORECASE)
 
 
 class ReplicaCheck:
@@ -91,6 +97,10 @@ class ReplicaCheck:
                 f"ClickHouse at {self.where}: {sql.split()[0]} failed (code {exc.code}: "
                 f"{server_message(exc)})") from None
         except (NetworkError, SocketTimeoutError, OSError, EOFError) as exc:
+            if _TLS_FAILURE.search(server_message(exc)):
+                raise ClickHouseTlsFailed(
+                    f"TLS with ClickHouse at {self.where} failed ({server_message(exc)}): "
+                    f"fix {self.fixes.tls}") from None
             raise ClickHouseUnreachable(
                 f"ClickHouse unreachable at {self.where} ({server_message(exc)}): start "
                 f"the server or fix {self.fixes.address}") from None

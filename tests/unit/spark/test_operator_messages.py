@@ -140,6 +140,29 @@ def test_a_refused_user_is_one_line_naming_user_and_replica() -> None:
     assert "\n" not in text and ".so" not in text
 
 
+class _Unverifiable:
+    def execute(self, sql: str, params: Any = None) -> Any:
+        from clickhouse_driver.errors import NetworkError
+
+        raise NetworkError("[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed: "
+                           "unable to get local issuer certificate (_ssl.c:1006) (ch1:9440)")
+
+    def disconnect(self) -> None:
+        pass
+
+
+def test_a_failed_tls_handshake_is_one_line_naming_the_tls_settings() -> None:
+    from blockagg.aggregator.clickhouse.exceptions import ClickHouseTlsFailed
+
+    check = ReplicaCheck("ch1", 9440, "default", _Unverifiable)
+    with pytest.raises(ClickHouseTlsFailed) as caught:
+        check.version()
+    text = str(caught.value)
+    assert text.startswith("TLS with ClickHouse at ch1:9440 failed (")
+    assert "certificate verify failed" in text and "[clickhouse] ca_certs" in text
+    assert "\n" not in text
+
+
 def _record(level: int, fac: str, msg: str) -> logging.LogRecord:
     return logging.LogRecord("blockagg.librdkafka", level, __file__, 1, "%s [%s] %s",
                              (fac, "rdkafka#consumer-1", msg), None)

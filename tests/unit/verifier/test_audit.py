@@ -368,8 +368,8 @@ def test_cli_clean_json(fakes: dict[str, Any]) -> None:
     assert [(x["table"], x["found_rows"], x["clean"]) for x in lines] == [
         (DLT, 1, True), (A, 2, True), (B, 1, True)]
     assert "0 discrepancies" in stderr and "s3cret" not in stderr + stdout
-    host, port, user, password, _, _ = fakes["args"]["clickhouse"]
-    assert (host, port, user, password) == ("ch", 9000, "default", "s3cret")
+    host, port, user, password, _, _, tls = fakes["args"]["clickhouse"]
+    assert (host, port, user, password, tls) == ("ch", 9000, "default", "s3cret", {})
 
 
 def test_cli_discrepancies_human_table(fakes: dict[str, Any]) -> None:
