@@ -87,6 +87,8 @@ RETRIABLE_CODES: Final = frozenset({
     236,  # ABORTED
     241,  # MEMORY_LIMIT_EXCEEDED
     242,  # TABLE_IS_READ_ONLY
+    244,  # UNEXPECTED_ZOOKEEPER_ERROR (18.16: "Bad version" of .../columns while an ALTER
+          # is being applied: the part was not committed)
     252,  # TOO_MANY_PARTS
     279,  # ALL_CONNECTION_TRIES_FAILED
     285,  # TOO_FEW_LIVE_REPLICAS

@@ -106,6 +106,23 @@ def test_retry_is_identical_and_fails_over(sample: Descriptor) -> None:
     assert "insert_deduplication_token" not in log[0][3]
 
 
+BAD_COLUMNS_VERSION = (
+    "Unexpected logical error while adding block 55 with ID 'all_1352_3517': Bad version, "
+    "path /clickhouse/tables/01/fx/t017/columns")
+"""18.16 (code 244) when a replica commits a part while an ALTER it has not applied yet
+changed the table's columns in ZooKeeper (seen in the long fault run's schema_change)."""
+
+
+def test_an_insert_racing_an_alter_is_retried_on_the_other_replica(
+        sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    log: list[Any] = []
+    script: dict[str, Any] = {"a": [ch_errors.ServerException(BAD_COLUMNS_VERSION, code=244)]}
+    make_writer(script, log, insert_quorum=2).insert(block, batch)
+    assert [host for host, *_ in log] == ["a", "b"]
+    assert log[0][1:] == log[1][1:]
+
+
 def test_token_on_modern_server(sample: Descriptor) -> None:
     batch, block = sample_batch(sample)
     log: list[Any] = []
