@@ -274,6 +274,32 @@ def decode_ranges(descriptor: Descriptor, buf: U8, starts: I64, ends: I64,
     return Decoded(n, columns, errors, found)
 
 
+def decode_in_place(descriptor: Descriptor, buf: U8, starts: I64, ends: I64) -> Decoded | None:
+    """:func:`decode_ranges` of the rows at ``buf[starts[i]:ends[i]]`` where they lie
+    (anywhere in ``buf``, which ends with :data:`PAD` zero bytes), without copying
+    them next to each other, when every row decodes; ``None`` when one does not.
+
+    A row that decodes is read within its bytes only, so its values, and its having
+    no error, do not depend on what lies around it; only a damaged row's *reason*
+    can (a varint or tag running past its end reads the next bytes). So ``None``
+    sends the caller to :func:`decode_ranges` over :func:`gather_rows`, the layout
+    whose reasons are the per-message path's."""
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    if starts.size and (int(ends.max()) + _PAD > buf.size or buf[buf.size - _PAD:].any()
+                        or bool((ends < starts).any())):
+        raise ValueError("decode_in_place needs rows inside a buffer that ends with PAD "
+                         "zero bytes (padded_buffer)")
+    err = np.zeros(starts.size, dtype=np.int8)
+    columns = _decode_message(descriptor, buf, starts, ends, err)
+    odd = np.flatnonzero(err >= _F_GROUP)
+    if odd.size:
+        columns = _fallback(descriptor, _Rows(buf, starts, ends), odd, columns, err)
+    if err.any():
+        return None
+    return Decoded(int(starts.size), columns)
+
+
 def _fallback(descriptor: Descriptor, rows: Sequence[bytes] | _Rows, odd: I64,
               columns: dict[str, pa.Array], err: npt.NDArray[np.int8]) -> dict[str, pa.Array]:
     """Decode rows ``odd`` with upb (``FromString``, then field by field into the

@@ -134,6 +134,28 @@ class Envelopes:
         buf, starts, ends = gather_rows(self.buf, self.row_starts[rows], self.row_ends[rows])
         return buf, starts, ends, counts
 
+    def rows_in_spans(self, messages: npt.NDArray[np.int64]) -> tuple[
+            npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64],
+            npt.NDArray[np.int64]]:
+        """The rows of ``messages`` (accepted ones, in this order) as
+        :meth:`rows_of` gives them, but each message's span of :attr:`buf` copied
+        whole (its rows with the envelope's tag and length bytes between them), for
+        :func:`proto.decode.decode_in_place`: one slice per message instead of a
+        gather per row."""
+        lo, hi = self.row_lo[messages], self.row_hi[messages]
+        counts = hi - lo
+        rows = (np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+                + np.arange(int(counts.sum()), dtype=np.int64))
+        first = self.row_starts[lo]
+        last = np.where(counts > 0, self.row_ends[np.maximum(hi - 1, 0)], first)
+        span = last - first
+        buf = self.buf
+        joined = np.concatenate([buf[a:b] for a, b in zip(first.tolist(), last.tolist(),
+                                                          strict=True)]
+                                + [np.zeros(PAD, dtype=np.uint8)])
+        shift = np.repeat(first - (np.cumsum(span) - span), counts)
+        return joined, self.row_starts[rows] - shift, self.row_ends[rows] - shift, counts
+
     def parsed(self, i: int) -> Parsed | Rejected:
         """:func:`parse_envelope` of message ``i``."""
         if i in self.rejected:

@@ -31,7 +31,7 @@ from blockagg.aggregator.clickhouse.rows import (
     Payloads,
     Rows,
     TablePlan,
-    decide_message_ranges,
+    decide_envelopes,
     decode_messages,
     make_plan,
 )
@@ -418,7 +418,7 @@ def prepare_envelopes(topic: str, partition: int,
         table = env.tables[int(env.table_index[members[0]])]
         version = int(resolved[members[0]])
         plan, _ = plans.plan(table, version)  # a resolved version: pinned
-        outcome = decide_message_ranges(plan, *env.rows_of(members), columnar)
+        outcome = decide_envelopes(plan, env, members, columnar)
         good = np.ones(members.size, dtype=np.bool_)
         for j, reason in outcome.reasons.items():
             good[j] = False

@@ -31,7 +31,8 @@ from blockagg.aggregator.clickhouse.types import (
     field_mismatch,
     parse_type,
 )
-from blockagg.proto.decode import Decoded, decode_ranges, decode_rows
+from blockagg.proto.decode import Decoded, decode_in_place, decode_ranges, decode_rows
+from blockagg.proto.envelope import Envelopes
 
 I64 = npt.NDArray[np.int64]
 
@@ -198,11 +199,20 @@ class Decisions:
     reasons: dict[int, str]
 
 
-def decide_message_ranges(plan: TablePlan, buf: npt.NDArray[np.uint8], starts: I64,
-                          ends: I64, counts: I64, columnar: bool = True) -> Decisions:
-    """:func:`decode_message_ranges` as :class:`Decisions`: the same columns, rows and
-    reasons."""
-    return _decide(plan, decode_ranges(plan.descriptor, buf, starts, ends), counts, columnar)
+def decide_envelopes(plan: TablePlan, envelopes: Envelopes, messages: I64,
+                     columnar: bool = True) -> Decisions:
+    """:func:`decode_message_ranges` of accepted ``messages`` of ``envelopes`` (their
+    rows laid out by :meth:`~proto.envelope.Envelopes.rows_of`) as
+    :class:`Decisions`: the same columns, rows and reasons. The rows are first
+    decoded in their messages' spans (:func:`proto.decode.decode_in_place`, one copy
+    per message), and laid out by ``rows_of`` and decoded again only when one of
+    them does not decode, so that its reason is that layout's."""
+    buf, starts, ends, counts = envelopes.rows_in_spans(messages)
+    decoded = decode_in_place(plan.descriptor, buf, starts, ends)
+    if decoded is None:
+        buf, starts, ends, counts = envelopes.rows_of(messages)
+        decoded = decode_ranges(plan.descriptor, buf, starts, ends)
+    return _decide(plan, decoded, counts, columnar)
 
 
 def _messages(plan: TablePlan, decoded: Decoded, counts: I64, columnar: bool
