@@ -5,8 +5,10 @@ routes it, so a message whose rows don't decode or convert is known to be a dead
 letter when the core sees it (its table id is 0): routing stays a pure function of
 the messages. Decoding is vectorised over all messages of one (table, version):
 :func:`decode_messages` returns one :class:`Rows` payload per good message (a slice
-of a shared :class:`ColumnSet`) and a reason per bad one. The writer concatenates
-the payloads of a block's positions, in order, into one insert.
+of a shared :class:`ColumnSet`) and a reason per bad one; :func:`decide_envelopes`
+the same as :class:`Decisions`, which the task keeps as :class:`Payloads` (columns and
+row ranges, no object per message). The writer concatenates the rows of a block's
+positions, in order, into one insert.
 
 Kafka coordinates: a table with columns ``_topic``, ``_partition`` and ``_offset``
 gets them filled from the message each row came from, which makes every block's
@@ -177,16 +179,6 @@ def decode_messages(plan: TablePlan, messages: Sequence[Sequence[bytes]],
     return _messages(plan, decode_rows(plan.descriptor, flat), counts, columnar)
 
 
-def decode_message_ranges(plan: TablePlan, buf: npt.NDArray[np.uint8], starts: I64,
-                          ends: I64, counts: I64, columnar: bool = True) -> list[Rows | str]:
-    """:func:`decode_messages` of messages whose rows lie in ``buf`` as
-    :func:`proto.decode.gather_rows` lays them out: row ``j`` at
-    ``buf[starts[j]:ends[j]]``, the first ``counts[0]`` rows the first message's, and
-    so on. The same results."""
-    return _messages(plan, decode_ranges(plan.descriptor, buf, starts, ends), counts,
-                     columnar)
-
-
 @dataclass(frozen=True, eq=False)
 class Decisions:
     """Many messages' rows decoded at once (one :class:`ColumnSet`): message ``i``'s
@@ -201,11 +193,11 @@ class Decisions:
 
 def decide_envelopes(plan: TablePlan, envelopes: Envelopes, messages: I64,
                      columnar: bool = True) -> Decisions:
-    """:func:`decode_message_ranges` of accepted ``messages`` of ``envelopes`` (their
-    rows laid out by :meth:`~proto.envelope.Envelopes.rows_of`) as
-    :class:`Decisions`: the same columns, rows and reasons. The rows are first
-    decoded in their messages' spans (:func:`proto.decode.decode_in_place`, one copy
-    per message), and laid out by ``rows_of`` and decoded again only when one of
+    """:func:`decode_messages` of accepted ``messages`` of ``envelopes`` as
+    :class:`Decisions`: the same columns, rows and reasons. The rows are decoded in
+    their messages' spans (:func:`proto.decode.decode_in_place`, one copy per
+    message), and laid out as ``decode_messages`` lays them out
+    (:meth:`~proto.envelope.Envelopes.rows_of`) and decoded again only when one of
     them does not decode, so that its reason is that layout's."""
     buf, starts, ends, counts = envelopes.rows_in_spans(messages)
     decoded = decode_in_place(plan.descriptor, buf, starts, ends)
