@@ -317,6 +317,12 @@ class NativeBlock(tuple[NativeValues, ...]):
                     revision: int) -> bytes:
         """The Data packet's block, as clickhouse-driver's ``BlockOutputStream``
         frames it for a server of protocol ``revision``."""
+        return b"".join(self.packet_parts(columns_with_types, revision))
+
+    def packet_parts(self, columns_with_types: Sequence[tuple[str, str]],
+                     revision: int) -> list[bytes]:
+        """:meth:`packet_body` in pieces, written one after another (the columns'
+        bytes are not copied into one body first)."""
         from clickhouse_driver import defines
 
         parts = [BLOCK_INFO] if revision >= defines.DBMS_MIN_REVISION_WITH_BLOCK_INFO else []
@@ -325,7 +331,7 @@ class NativeBlock(tuple[NativeValues, ...]):
         for (name, spec), data in zip(columns_with_types, self.encoded, strict=True):
             parts.append(_binary_str(name) + _binary_str(spec) + (b"\x00" if custom else b""))
             parts.append(data)
-        return b"".join(parts)
+        return parts
 
     def driver_columns(self) -> list[Any]:
         """The same columns as clickhouse-driver's numpy mode takes them."""
@@ -360,11 +366,12 @@ def _native_client() -> type[Any]:
                 return int(super().send_data(sample_block, data.driver_columns(),
                                              types_check, True))
             revision = connection.server_info.used_revision
-            body = data.packet_body(spec, revision)
+            parts = data.packet_parts(spec, revision)
             write_varint(ClientPacketTypes.DATA, connection.fout)
             if revision >= defines.DBMS_MIN_REVISION_WITH_TEMPORARY_TABLES:
                 write_binary_str("", connection.fout)
-            connection.fout.write(body)
+            for part in parts:
+                connection.fout.write(part)
             connection.fout.flush()
             self.receive_profile_events()
             connection.send_data(ColumnOrientedBlock())
