@@ -50,6 +50,8 @@ class StringColumn:
     offsets: _I64
     data: npt.NDArray[np.uint8]
     binary: bool = False
+    constant: bytes | None = None
+    """Every value's bytes when the column repeats one value (:meth:`repeat`)."""
 
     @classmethod
     def from_arrow(cls, column: pa.Array) -> StringColumn:
@@ -70,8 +72,10 @@ class StringColumn:
     @classmethod
     def repeat(cls, value: str, n: int) -> StringColumn:
         """``value``, ``n`` times."""
-        raw = np.frombuffer(value.encode(), dtype=np.uint8)
-        return cls(np.arange(n + 1, dtype=np.int64) * len(raw), np.tile(raw, n))
+        encoded = value.encode()
+        raw = np.frombuffer(encoded, dtype=np.uint8)
+        return cls(np.arange(n + 1, dtype=np.int64) * len(raw), np.tile(raw, n),
+                   constant=encoded)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -83,7 +87,8 @@ class StringColumn:
         start, stop, step = rows.indices(len(self))
         if step != 1:
             raise ValueError("StringColumn slices are contiguous")
-        return StringColumn(self.offsets[start:max(start, stop) + 1], self.data, self.binary)
+        return StringColumn(self.offsets[start:max(start, stop) + 1], self.data, self.binary,
+                            self.constant)
 
     def tolist(self) -> list[Any]:
         raw = self.data.tobytes()
@@ -101,6 +106,19 @@ class StringColumn:
         n = len(lengths)
         if n == 0:
             return b""
+        if self.constant is not None:
+            return (_varint(len(self.constant)) + self.constant) * n
+        base, end = int(self.offsets[0]), int(self.offsets[-1])
+        if int(lengths.max()) < 0x80:
+            # One length byte per value (short strings, the usual case): each value's
+            # length byte goes before its bytes, the bytes fill the rest in order.
+            at = self.offsets[:-1] - base + np.arange(n, dtype=np.int64)
+            out = np.empty(n + end - base, dtype=np.uint8)
+            out[at] = lengths
+            is_data = np.ones(out.size, dtype=np.bool_)
+            is_data[at] = False
+            out[is_data] = self.data[base:end]
+            return out.tobytes()
         widths = np.ones(n, dtype=np.int64)
         for k in range(1, 10):
             longer = lengths >= (1 << (7 * k))
