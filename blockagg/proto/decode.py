@@ -115,9 +115,23 @@ class Decoded:
     n: int
     columns: dict[str, pa.Array]
     errors: dict[int, str] = field(default_factory=dict)
+    spans: dict[str, Spans] = field(default_factory=dict)
+    """Fields asked for as :class:`Spans` (``decode_ranges(..., spans=...)``), in place
+    of their column."""
 
     def table(self) -> pa.Table:
         return pa.table(self.columns) if self.columns else pa.table({})
+
+
+@dataclass(frozen=True, eq=False)
+class Spans:
+    """A repeated ``bytes`` field's values where they lie in the decoded buffer,
+    without copying them: row ``i``'s values are ``buf[starts[j]:ends[j]]`` for ``j``
+    in ``bounds[i]:bounds[i + 1]``, in the order the list column holds them."""
+
+    starts: I64
+    ends: I64
+    bounds: I64
 
 
 def arrow_type(fd: FieldDescriptor) -> pa.DataType:
@@ -225,12 +239,18 @@ def gather_rows(buf: U8, starts: I64, ends: I64) -> tuple[U8, I64, I64]:
     return padded_buffer(data), offsets[:-1], offsets[1:]
 
 
-def decode_ranges(descriptor: Descriptor, buf: U8, starts: I64, ends: I64) -> Decoded:
+def decode_ranges(descriptor: Descriptor, buf: U8, starts: I64, ends: I64,
+                  spans: frozenset[str] = frozenset()) -> Decoded:
     """:func:`decode_rows` of the rows at ``buf[starts[i]:ends[i]]``, laid out as
     :func:`decode_rows` lays them out (:func:`gather_rows`): adjacent, in order,
     followed by :data:`PAD` zero bytes. The reason a damaged row gets can depend on
     the bytes after it (the next row), which is why the layout is the same: the same
-    columns and errors as :func:`decode_rows` of those rows' bytes."""
+    columns and errors as :func:`decode_rows` of those rows' bytes.
+
+    ``spans`` names repeated ``bytes`` fields to return as :class:`Spans` (where
+    their values lie in ``buf``) instead of a copied column: the envelope's rows.
+    When a row had to go to upb (``_fallback``), whose values lie nowhere in ``buf``,
+    every field is a column as without ``spans`` (``Decoded.spans`` is empty)."""
     n = int(starts.size)
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.asarray(ends, dtype=np.int64)
@@ -238,13 +258,46 @@ def decode_ranges(descriptor: Descriptor, buf: U8, starts: I64, ends: I64) -> De
               or buf[int(ends[-1]):int(ends[-1]) + _PAD].any()):
         raise ValueError("decode_ranges needs adjacent rows followed by PAD zero bytes "
                          "(gather_rows)")
+    for name in spans:
+        fd = descriptor.fields_by_name[name]
+        if not is_repeated(fd) or fd.type != _T.TYPE_BYTES:
+            raise ValueError(f"spans are for repeated bytes fields, not {fd.full_name}")
     err = np.zeros(n, dtype=np.int8)
+    found: dict[str, Spans] = {}
+    columns = _decode_message(descriptor, buf, starts, ends, err, spans, found)
+    odd = np.flatnonzero(err >= _F_GROUP)
+    if odd.size:
+        if spans:
+            return decode_ranges(descriptor, buf, starts, ends)
+        columns = _fallback(descriptor, _Rows(buf, starts, ends), odd, columns, err)
+    errors = {int(i): _REASONS[int(err[i])] for i in np.flatnonzero(err)}
+    return Decoded(n, columns, errors, found)
+
+
+def decode_in_place(descriptor: Descriptor, buf: U8, starts: I64, ends: I64) -> Decoded | None:
+    """:func:`decode_ranges` of the rows at ``buf[starts[i]:ends[i]]`` where they lie
+    (anywhere in ``buf``, which ends with :data:`PAD` zero bytes), without copying
+    them next to each other, when every row decodes; ``None`` when one does not.
+
+    A row that decodes is read within its bytes only, so its values, and its having
+    no error, do not depend on what lies around it; only a damaged row's *reason*
+    can (a varint or tag running past its end reads the next bytes). So ``None``
+    sends the caller to :func:`decode_ranges` over :func:`gather_rows`, the layout
+    whose reasons are the per-message path's."""
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.asarray(ends, dtype=np.int64)
+    if starts.size and (int(ends.max()) + _PAD > buf.size or buf[buf.size - _PAD:].any()
+                        or bool((ends < starts).any())):
+        raise ValueError("decode_in_place needs rows inside a buffer that ends with PAD "
+                         "zero bytes (padded_buffer)")
+    err = np.zeros(starts.size, dtype=np.int8)
     columns = _decode_message(descriptor, buf, starts, ends, err)
     odd = np.flatnonzero(err >= _F_GROUP)
     if odd.size:
         columns = _fallback(descriptor, _Rows(buf, starts, ends), odd, columns, err)
-    errors = {int(i): _REASONS[int(err[i])] for i in np.flatnonzero(err)}
-    return Decoded(n, columns, errors)
+    if err.any():
+        return None
+    return Decoded(int(starts.size), columns)
 
 
 def _fallback(descriptor: Descriptor, rows: Sequence[bytes] | _Rows, odd: I64,
@@ -323,6 +376,7 @@ def _py_scalar(fd: FieldDescriptor, value: Any) -> Any:
 _LOW7: Final = np.uint64(0x7F7F7F7F7F7F7F7F)
 _HIGH: Final = np.uint64(0x8080808080808080)
 _ONE: Final = np.uint64(1)
+_63: Final = np.uint64(63)
 _SWAR: Final = (
     (np.uint64(0x007F007F007F007F), np.uint64(0x7F007F007F007F00), np.uint64(1)),
     (np.uint64(0x00003FFF00003FFF), np.uint64(0x3FFF00003FFF0000), np.uint64(2)),
@@ -338,8 +392,7 @@ def _read_varint(buf: U8, pos: I64, err: npt.NDArray[np.int8], rows: I64) -> tup
     one unaligned little-endian load per element, the terminating byte found from
     the high bits, the 7-bit groups compacted with three shift-and-mask steps.
     Longer ones (negative ``int32``/``int64``, huge ``uint64``) go byte by byte."""
-    window = np.lib.stride_tricks.as_strided(buf, shape=(buf.size - 7, 8), strides=(1, 1))
-    x = window[pos].view("<u8").reshape(-1)
+    x = _load8(buf, pos)
     stop = ~x & _HIGH
     low = stop & (~stop + _ONE)
     keep = (low << _ONE) - _ONE
@@ -351,6 +404,18 @@ def _read_varint(buf: U8, pos: I64, err: npt.NDArray[np.int8], rows: I64) -> tup
     if long.size:
         _read_long_varints(buf, pos, long, v, after, err, rows)
     return v, after
+
+
+def _load8(buf: U8, pos: I64) -> U64:
+    """The 8 bytes at each ``pos`` as a little-endian ``uint64``: two aligned words
+    around them, shifted together (1-D ``take``s, cheaper than gathering 8-byte rows
+    of a strided view). ``pos`` lie before the buffer's :data:`PAD` zero bytes."""
+    words = buf[:buf.size - buf.size % 8].view("<u8")
+    q = pos >> 3
+    shift = ((pos & 7) << 3).astype(np.uint64)
+    low = words.take(q)
+    high = words.take(q + 1, mode="clip")  # q + 1 is inside the padding, never clipped
+    return (low >> shift) | ((high << _ONE) << (_63 - shift))
 
 
 def _popcount(x: U64) -> I64:
@@ -411,8 +476,8 @@ def _gather_ranges(buf: U8, starts: I64, lengths: I64) -> tuple[U8, I64]:
 
 
 def _fixed(buf: U8, pos: I64, width: int, dtype: str) -> npt.NDArray[Any]:
-    window = np.lib.stride_tricks.as_strided(buf, shape=(buf.size - 7, width), strides=(1, 1))
-    return window[pos].view(dtype).reshape(-1)
+    x = _load8(buf, pos)
+    return (x if width == 8 else x.astype(np.uint32)).view(dtype)
 
 
 class _Field:
@@ -451,7 +516,8 @@ class _Field:
 
 
 def _decode_message(
-    desc: Descriptor, buf: U8, starts: I64, ends: I64, err: npt.NDArray[np.int8]
+    desc: Descriptor, buf: U8, starts: I64, ends: I64, err: npt.NDArray[np.int8],
+    spans: frozenset[str] = frozenset(), found: dict[str, Spans] | None = None,
 ) -> dict[str, pa.Array]:
     n = starts.size
     # Oneofs of one member (proto3 ``optional``) behave like any singular field.
@@ -581,7 +647,12 @@ def _decode_message(
             latest = np.max([m.last_step for m in members if m.last_step is not None], axis=0)
             for m in members:
                 m.present &= m.last_step == latest
-    return {f.fd.name: _finish(f, buf, err, n) for f in fields.values()}
+    if spans and found is not None:
+        for f in fields.values():
+            if f.fd.name in spans:
+                found[f.fd.name] = _spans(f, n)
+    return {f.fd.name: _finish(f, buf, err, n) for f in fields.values()
+            if f.fd.name not in spans}
 
 
 def _mark(err: npt.NDArray[np.int8], rows: I64, code: int) -> None:
@@ -880,6 +951,20 @@ def _finish_repeated(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> p
         if unknown.any():
             _mark(err, rows[unknown], _F_OTHER)
     return _lists(rows, _scalar_values(fd, buf, raw), n)
+
+
+def _spans(f: _Field, n: int) -> Spans:
+    """A repeated bytes field's values as :class:`Spans`: the order of
+    :func:`_finish_repeated` (by row, then as they occur), nothing copied."""
+    pos = np.concatenate(f.elem_pos) if f.elem_pos else np.zeros(0, dtype=np.int64)
+    lens = np.concatenate(f.single_len) if f.single_len else np.zeros(0, dtype=np.int64)
+    rows = np.concatenate(f.elem_rows) if f.elem_rows else np.zeros(0, dtype=np.int64)
+    order = np.argsort(rows, kind="stable")
+    rows, pos = rows[order], pos[order]
+    counts = np.bincount(rows, minlength=n) if rows.size else np.zeros(n, dtype=np.int64)
+    bounds = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    return Spans(pos, pos + lens[order], bounds)
 
 
 def _packed_varints(data: U8, offsets: I64, owners: I64, err: npt.NDArray[np.int8]

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from google.protobuf.message import DecodeError
 
 from blockagg.proto.blockagg.v1.envelope_pb2 import Envelope
-from blockagg.proto.decode import PAD, decode_rows, padded_buffer
+from blockagg.proto.decode import PAD, decode_ranges, gather_rows, padded_buffer
 from blockagg.proto.exceptions import EnvelopeDecodeError
 
 LATEST: Final = 0
@@ -126,8 +126,22 @@ class Envelopes:
         """The rows of ``messages`` (accepted ones, in this order) laid out as
         :func:`proto.decode.decode_rows` lays out that list of rows, for
         :func:`proto.decode.decode_ranges`: (buffer, row starts, row ends, rows per
-        message). A message's rows are adjacent in :attr:`buf`, so this copies one
-        span per message."""
+        message), copied next to each other."""
+        lo, hi = self.row_lo[messages], self.row_hi[messages]
+        counts = hi - lo
+        rows = (np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+                + np.arange(int(counts.sum()), dtype=np.int64))
+        buf, starts, ends = gather_rows(self.buf, self.row_starts[rows], self.row_ends[rows])
+        return buf, starts, ends, counts
+
+    def rows_in_spans(self, messages: npt.NDArray[np.int64]) -> tuple[
+            npt.NDArray[np.uint8], npt.NDArray[np.int64], npt.NDArray[np.int64],
+            npt.NDArray[np.int64]]:
+        """The rows of ``messages`` (accepted ones, in this order) as
+        :meth:`rows_of` gives them, but each message's span of :attr:`buf` copied
+        whole (its rows with the envelope's tag and length bytes between them), for
+        :func:`proto.decode.decode_in_place`: one slice per message instead of a
+        gather per row."""
         lo, hi = self.row_lo[messages], self.row_hi[messages]
         counts = hi - lo
         rows = (np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
@@ -163,7 +177,13 @@ def parse_envelopes(values: Sequence[bytes | None]) -> Envelopes:
 
     n = len(values)
     descriptor: Any = Envelope.DESCRIPTOR
-    decoded = decode_rows(descriptor, [b"" if v is None else v for v in values])
+    present = [b"" if v is None else v for v in values]
+    lengths = np.fromiter(map(len, present), dtype=np.int64, count=n)
+    ends = np.cumsum(lengths)
+    joined = np.frombuffer(b"".join([*present, bytes(PAD)]), dtype=np.uint8)
+    # decode_rows' layout; the rows stay where they are in it (Spans), not copied.
+    decoded = decode_ranges(descriptor, joined, ends - lengths, ends,
+                            spans=frozenset({"rows"}))
     flagged = np.zeros(n, dtype=np.bool_)
     if decoded.errors:
         flagged[np.fromiter(decoded.errors, dtype=np.int64, count=len(decoded.errors))] = True
@@ -174,15 +194,20 @@ def parse_envelopes(values: Sequence[bytes | None]) -> Envelopes:
         zero_copy_only=False).astype(np.int64)
     good_name = np.array([is_table_name(t) for t in names] + [False], dtype=np.bool_)
     flagged |= ~good_name[table_index]
-    lists = decoded.columns["rows"]
-    bounds = lists.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    spans = decoded.spans.get("rows")
+    if spans is not None:
+        bounds, row_starts, row_ends, buf = spans.bounds, spans.starts, spans.ends, joined
+    else:  # a row went to upb: the rows as a column, copied
+        lists = decoded.columns["rows"]
+        bounds = lists.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+        children = lists.values
+        _, offsets_buf, data_buf = children.buffers()
+        child_offsets = np.frombuffer(offsets_buf, dtype=np.int32)[
+            children.offset:children.offset + len(children) + 1].astype(np.int64)
+        row_starts, row_ends = child_offsets[:-1], child_offsets[1:]
+        buf = padded_buffer(np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
+                            else np.zeros(0, dtype=np.uint8))
     flagged |= bounds[1:] == bounds[:-1]
-    children = lists.values
-    _, offsets_buf, data_buf = children.buffers()
-    child_offsets = np.frombuffer(offsets_buf, dtype=np.int32)[
-        children.offset:children.offset + len(children) + 1].astype(np.int64)
-    data = (np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
-            else np.zeros(0, dtype=np.uint8))
     rejected: dict[int, Rejected] = {}
     for i in np.flatnonzero(flagged).tolist():
         again = parse_envelope(values[i])
@@ -197,7 +222,7 @@ def parse_envelopes(values: Sequence[bytes | None]) -> Envelopes:
     versions = decoded.columns["schema_version"].to_numpy(zero_copy_only=False)
     return Envelopes(tuple(names), table_index,
                      np.where(flagged, 0, versions).astype(np.int64), row_lo, row_hi,
-                     child_offsets[:-1], child_offsets[1:], padded_buffer(data), rejected)
+                     row_starts, row_ends, buf, rejected)
 
 
 def make_envelope(table: str, rows: list[bytes], version: int = LATEST) -> bytes:

@@ -50,6 +50,8 @@ class StringColumn:
     offsets: _I64
     data: npt.NDArray[np.uint8]
     binary: bool = False
+    constant: bytes | None = None
+    """Every value's bytes when the column repeats one value (:meth:`repeat`)."""
 
     @classmethod
     def from_arrow(cls, column: pa.Array) -> StringColumn:
@@ -70,8 +72,10 @@ class StringColumn:
     @classmethod
     def repeat(cls, value: str, n: int) -> StringColumn:
         """``value``, ``n`` times."""
-        raw = np.frombuffer(value.encode(), dtype=np.uint8)
-        return cls(np.arange(n + 1, dtype=np.int64) * len(raw), np.tile(raw, n))
+        encoded = value.encode()
+        raw = np.frombuffer(encoded, dtype=np.uint8)
+        return cls(np.arange(n + 1, dtype=np.int64) * len(raw), np.tile(raw, n),
+                   constant=encoded)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -83,7 +87,8 @@ class StringColumn:
         start, stop, step = rows.indices(len(self))
         if step != 1:
             raise ValueError("StringColumn slices are contiguous")
-        return StringColumn(self.offsets[start:max(start, stop) + 1], self.data, self.binary)
+        return StringColumn(self.offsets[start:max(start, stop) + 1], self.data, self.binary,
+                            self.constant)
 
     def tolist(self) -> list[Any]:
         raw = self.data.tobytes()
@@ -101,6 +106,19 @@ class StringColumn:
         n = len(lengths)
         if n == 0:
             return b""
+        if self.constant is not None:
+            return (_varint(len(self.constant)) + self.constant) * n
+        base, end = int(self.offsets[0]), int(self.offsets[-1])
+        if int(lengths.max()) < 0x80:
+            # One length byte per value (short strings, the usual case): each value's
+            # length byte goes before its bytes, the bytes fill the rest in order.
+            at = self.offsets[:-1] - base + np.arange(n, dtype=np.int64)
+            out = np.empty(n + end - base, dtype=np.uint8)
+            out[at] = lengths
+            is_data = np.ones(out.size, dtype=np.bool_)
+            is_data[at] = False
+            out[is_data] = self.data[base:end]
+            return out.tobytes()
         widths = np.ones(n, dtype=np.int64)
         for k in range(1, 10):
             longer = lengths >= (1 << (7 * k))
@@ -317,6 +335,12 @@ class NativeBlock(tuple[NativeValues, ...]):
                     revision: int) -> bytes:
         """The Data packet's block, as clickhouse-driver's ``BlockOutputStream``
         frames it for a server of protocol ``revision``."""
+        return b"".join(self.packet_parts(columns_with_types, revision))
+
+    def packet_parts(self, columns_with_types: Sequence[tuple[str, str]],
+                     revision: int) -> list[bytes]:
+        """:meth:`packet_body` in pieces, written one after another (the columns'
+        bytes are not copied into one body first)."""
         from clickhouse_driver import defines
 
         parts = [BLOCK_INFO] if revision >= defines.DBMS_MIN_REVISION_WITH_BLOCK_INFO else []
@@ -325,7 +349,7 @@ class NativeBlock(tuple[NativeValues, ...]):
         for (name, spec), data in zip(columns_with_types, self.encoded, strict=True):
             parts.append(_binary_str(name) + _binary_str(spec) + (b"\x00" if custom else b""))
             parts.append(data)
-        return b"".join(parts)
+        return parts
 
     def driver_columns(self) -> list[Any]:
         """The same columns as clickhouse-driver's numpy mode takes them."""
@@ -360,11 +384,12 @@ def _native_client() -> type[Any]:
                 return int(super().send_data(sample_block, data.driver_columns(),
                                              types_check, True))
             revision = connection.server_info.used_revision
-            body = data.packet_body(spec, revision)
+            parts = data.packet_parts(spec, revision)
             write_varint(ClientPacketTypes.DATA, connection.fout)
             if revision >= defines.DBMS_MIN_REVISION_WITH_TEMPORARY_TABLES:
                 write_binary_str("", connection.fout)
-            connection.fout.write(body)
+            for part in parts:
+                connection.fout.write(part)
             connection.fout.flush()
             self.receive_profile_events()
             connection.send_data(ColumnOrientedBlock())

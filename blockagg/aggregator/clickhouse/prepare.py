@@ -27,9 +27,11 @@ from blockagg.aggregator.clickhouse.exceptions import ColumnsChanged
 from blockagg.aggregator.clickhouse.rows import (
     COORDINATE_COLUMNS,
     Column,
+    ColumnSet,
+    Payloads,
     Rows,
     TablePlan,
-    decode_message_ranges,
+    decide_envelopes,
     decode_messages,
     make_plan,
 )
@@ -63,7 +65,9 @@ class Prepared:
     table_ids: npt.NDArray[np.int64]
     row_counts: npt.NDArray[np.int64]
     sizes: npt.NDArray[np.int64]
-    payloads: list[Rows | DeadLetter]
+    payloads: Sequence[Rows | DeadLetter] | Payloads
+    """A list (:func:`prepare`), or :class:`Payloads` (:func:`prepare_envelopes`),
+    whose items are the same."""
     tables: dict[int, str]
 
     @property
@@ -337,8 +341,10 @@ def prepare_envelopes(topic: str, partition: int,
     envelopes parsed in bulk (:func:`proto.envelope.parse_envelopes`, or
     ``envelopes`` when the caller has them) and the registry consulted once per
     (table, version) rather than per message: the same decisions, dead-letter
-    reasons, payloads and tables, without a Python object per message before the
-    payloads themselves."""
+    reasons, payloads and tables, without a Python object per message: the payloads
+    are :class:`~aggregator.clickhouse.rows.Payloads` (each (table, version)'s
+    columns and every message's range of rows in them; dead letters only are
+    objects)."""
     n = len(values)
     env = envelopes if envelopes is not None else parse_envelopes(values)
     stamps = np.asarray(timestamps_ms, dtype=np.int64).reshape(n)
@@ -347,11 +353,15 @@ def prepare_envelopes(topic: str, partition: int,
     row_counts = np.ones(n, dtype=np.int64)
     sizes = np.fromiter((len(v) if v is not None else 0 for v in values), dtype=np.int64,
                         count=n)
-    payloads: list[Any] = [None] * n
+    dead_letters: dict[int, object] = {}
+    column_sets: list[ColumnSet] = []
+    sets = np.full(n, -1, dtype=np.int64)
+    starts = np.zeros(n, dtype=np.int64)
+    stops = np.zeros(n, dtype=np.int64)
 
     def dead(i: int, error: str, table: str = "") -> None:
-        payloads[i] = make_dead_letter(topic, partition, int(offs[i]), int(stamps[i]),
-                                       values[i], error, table)
+        dead_letters[i] = make_dead_letter(topic, partition, int(offs[i]), int(stamps[i]),
+                                           values[i], error, table)
         table_ids[i] = DEAD_LETTER_TABLE_ID
         row_counts[i] = 1
 
@@ -408,16 +418,22 @@ def prepare_envelopes(topic: str, partition: int,
         table = env.tables[int(env.table_index[members[0]])]
         version = int(resolved[members[0]])
         plan, _ = plans.plan(table, version)  # a resolved version: pinned
-        buf, starts, ends, counts = env.rows_of(members)
-        results = decode_message_ranges(plan, buf, starts, ends, counts, columnar)
-        for i, result in zip(members.tolist(), results, strict=True):
-            if isinstance(result, str):
-                dead(i, f"{table} v{version}: {result}", table)
-            else:
-                payloads[i] = result
-                table_ids[i] = plan.table_id
-                row_counts[i] = result.count
-                tables[plan.table_id] = table
+        outcome = decide_envelopes(plan, env, members, columnar)
+        good = np.ones(members.size, dtype=np.bool_)
+        for j, reason in outcome.reasons.items():
+            good[j] = False
+            dead(int(members[j]), f"{table} v{version}: {reason}", table)
+        if not good.any():
+            continue
+        rows = members[good]
+        sets[rows] = len(column_sets)
+        column_sets.append(outcome.columns)
+        starts[rows] = outcome.bounds[:-1][good]
+        stops[rows] = outcome.bounds[1:][good]
+        table_ids[rows] = plan.table_id
+        row_counts[rows] = stops[rows] - starts[rows]
+        tables[plan.table_id] = table
     if (table_ids == DEAD_LETTER_TABLE_ID).any():
         tables[DEAD_LETTER_TABLE_ID] = dead_letter_table
+    payloads = Payloads(tuple(column_sets), sets, starts, stops, dead_letters)
     return Prepared(offs.copy(), table_ids, row_counts, sizes, payloads, tables)

@@ -5,8 +5,10 @@ routes it, so a message whose rows don't decode or convert is known to be a dead
 letter when the core sees it (its table id is 0): routing stays a pure function of
 the messages. Decoding is vectorised over all messages of one (table, version):
 :func:`decode_messages` returns one :class:`Rows` payload per good message (a slice
-of a shared :class:`ColumnSet`) and a reason per bad one. The writer concatenates
-the payloads of a block's positions, in order, into one insert.
+of a shared :class:`ColumnSet`) and a reason per bad one; :func:`decide_envelopes`
+the same as :class:`Decisions`, which the task keeps as :class:`Payloads` (columns and
+row ranges, no object per message). The writer concatenates the rows of a block's
+positions, in order, into one insert.
 
 Kafka coordinates: a table with columns ``_topic``, ``_partition`` and ``_offset``
 gets them filled from the message each row came from, which makes every block's
@@ -16,9 +18,9 @@ block that happens to equal a recent one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -31,7 +33,8 @@ from blockagg.aggregator.clickhouse.types import (
     field_mismatch,
     parse_type,
 )
-from blockagg.proto.decode import Decoded, decode_ranges, decode_rows
+from blockagg.proto.decode import Decoded, decode_in_place, decode_ranges, decode_rows
+from blockagg.proto.envelope import Envelopes
 
 I64 = npt.NDArray[np.int64]
 
@@ -176,18 +179,43 @@ def decode_messages(plan: TablePlan, messages: Sequence[Sequence[bytes]],
     return _messages(plan, decode_rows(plan.descriptor, flat), counts, columnar)
 
 
-def decode_message_ranges(plan: TablePlan, buf: npt.NDArray[np.uint8], starts: I64,
-                          ends: I64, counts: I64, columnar: bool = True) -> list[Rows | str]:
-    """:func:`decode_messages` of messages whose rows lie in ``buf`` as
-    :func:`proto.decode.gather_rows` lays them out: row ``j`` at
-    ``buf[starts[j]:ends[j]]``, the first ``counts[0]`` rows the first message's, and
-    so on. The same results."""
-    return _messages(plan, decode_ranges(plan.descriptor, buf, starts, ends), counts,
-                     columnar)
+@dataclass(frozen=True, eq=False)
+class Decisions:
+    """Many messages' rows decoded at once (one :class:`ColumnSet`): message ``i``'s
+    rows are ``bounds[i]:bounds[i + 1]`` of ``columns``, unless ``reasons[i]`` says
+    why it is a dead letter. What :func:`decode_messages` gives, without a
+    :class:`Rows` per message."""
+
+    columns: ColumnSet
+    bounds: I64
+    reasons: dict[int, str]
+
+
+def decide_envelopes(plan: TablePlan, envelopes: Envelopes, messages: I64,
+                     columnar: bool = True) -> Decisions:
+    """:func:`decode_messages` of accepted ``messages`` of ``envelopes`` as
+    :class:`Decisions`: the same columns, rows and reasons. The rows are decoded in
+    their messages' spans (:func:`proto.decode.decode_in_place`, one copy per
+    message), and laid out as ``decode_messages`` lays them out
+    (:meth:`~proto.envelope.Envelopes.rows_of`) and decoded again only when one of
+    them does not decode, so that its reason is that layout's."""
+    buf, starts, ends, counts = envelopes.rows_in_spans(messages)
+    decoded = decode_in_place(plan.descriptor, buf, starts, ends)
+    if decoded is None:
+        buf, starts, ends, counts = envelopes.rows_of(messages)
+        decoded = decode_ranges(plan.descriptor, buf, starts, ends)
+    return _decide(plan, decoded, counts, columnar)
 
 
 def _messages(plan: TablePlan, decoded: Decoded, counts: I64, columnar: bool
               ) -> list[Rows | str]:
+    decided = _decide(plan, decoded, counts, columnar)
+    edges = decided.bounds.tolist()
+    return [decided.reasons[i] if i in decided.reasons
+            else Rows(decided.columns, edges[i], edges[i + 1]) for i in range(len(counts))]
+
+
+def _decide(plan: TablePlan, decoded: Decoded, counts: I64, columnar: bool) -> Decisions:
     bounds = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
     errors = dict(decoded.errors)
     values: list[Any] = []
@@ -207,13 +235,57 @@ def _messages(plan: TablePlan, decoded: Decoded, counts: I64, columnar: bool
     for row, message in zip(bad_rows.tolist(), owner.tolist(), strict=True):
         if message not in first_error:
             first_error[message] = f"row {row - int(bounds[message])}: {errors[row]}"
-    edges = bounds.tolist()
-    out: list[Rows | str] = []
-    for i in range(len(counts)):
-        if i in first_error:
-            out.append(first_error[i])
-        elif edges[i] == edges[i + 1]:
-            out.append("envelope carries no rows")
-        else:
-            out.append(Rows(shared, edges[i], edges[i + 1]))
-    return out
+    for i in np.flatnonzero(counts == 0).tolist():
+        first_error.setdefault(i, "envelope carries no rows")
+    return Decisions(shared, bounds, first_error)
+
+
+@dataclass(frozen=True, eq=False)
+class Payloads(Sequence[object]):
+    """A batch's payloads (:attr:`aggregator.core.model.Batch.payloads`) without an
+    object per message: message ``i`` is ``dead[i]`` (its dead letter) when
+    ``sets[i]`` is -1, else rows ``starts[i]:stops[i]`` of ``columns[sets[i]]``.
+    Indexing gives what the per-message list holds (a :class:`Rows`, made on
+    demand); :meth:`runs` gives a block's rows as slices, as the writer takes them."""
+
+    columns: tuple[ColumnSet, ...]
+    sets: I64
+    starts: I64
+    stops: I64
+    dead: dict[int, object]
+
+    def __len__(self) -> int:
+        return int(self.sets.size)
+
+    @overload
+    def __getitem__(self, i: int) -> object: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[object]: ...
+
+    def __getitem__(self, i: int | slice) -> object:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        k = int(self.sets[i])
+        if k < 0:
+            return self.dead.get(int(i) % len(self))
+        return Rows(self.columns[k], int(self.starts[i]), int(self.stops[i]))
+
+    def __iter__(self) -> Iterator[object]:
+        return (self[i] for i in range(len(self)))
+
+    def runs(self, positions: I64) -> tuple[list[tuple[ColumnSet, int, int]], I64] | None:
+        """The rows of messages ``positions`` (in this order) as runs ``(columns, start,
+        stop)``, adjacent slices of one :class:`ColumnSet` joined, and each message's
+        row count; ``None`` if one of them is not rows (a dead letter)."""
+        k = self.sets[positions]
+        if k.size == 0 or bool((k < 0).any()):
+            return None
+        a, b = self.starts[positions], self.stops[positions]
+        first = np.ones(k.size, dtype=np.bool_)
+        first[1:] = (k[1:] != k[:-1]) | (a[1:] != b[:-1])
+        heads = np.flatnonzero(first)
+        tails = np.append(heads[1:], k.size) - 1
+        runs = [(self.columns[int(k[h])], int(a[h]), int(b[t]))
+                for h, t in zip(heads.tolist(), tails.tolist(), strict=True)]
+        return runs, b - a

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from blockagg.aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_COLUMNS
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter
@@ -65,6 +66,7 @@ from blockagg.aggregator.clickhouse.rows import (
     COORDINATE_COLUMNS,
     Column,
     ColumnSet,
+    Payloads,
     Rows,
     TablePlan,
 )
@@ -554,6 +556,19 @@ class ClickHouseBlockWriter:
         converted to an array of a :data:`NUMPY_TYPES` type, else Python lists.
 
         Pure: the same block over the same batch always gives the same data."""
+        bulk = (batch.payloads.runs(block.positions)
+                if isinstance(batch.payloads, Payloads)
+                and block.table_id != DEAD_LETTER_TABLE_ID else None)
+        if numpy is None:
+            numpy = self.config.use_numpy and numpy_inserts_available()
+        if bulk is not None:
+            # The block's rows as slices of the batch's columns: no object per message.
+            runs, counts = bulk
+            names, fills = self._union_columns(block, [cs.plan for cs, _, _ in runs])
+            if (numpy and not fills
+                    and self._numpy_eligible(block, int(counts.sum()), [cs for cs, _, _ in runs])):
+                return BlockData(names, self._array_columns(block, batch, runs, counts), True,
+                                 runs[0][0].plan.types)
         payloads = [batch.payloads[int(p)] for p in block.positions]
         if block.table_id == DEAD_LETTER_TABLE_ID:
             rows = []
@@ -573,10 +588,12 @@ class ClickHouseBlockWriter:
                     "expected aggregator.clickhouse.rows.Rows")
             rows_payloads.append(payload)
         names, fills = self._union_columns(block, [p.columns.plan for p in rows_payloads])
-        if numpy is None:
-            numpy = self.config.use_numpy and numpy_inserts_available()
-        if numpy and not fills and self._numpy_eligible(block, rows_payloads):
-            return BlockData(names, self._array_columns(block, batch, rows_payloads), True,
+        if numpy and not fills and self._numpy_eligible(
+                block, sum(p.count for p in rows_payloads), [p.columns for p in rows_payloads]):
+            counts = np.fromiter((p.count for p in rows_payloads), dtype=np.int64,
+                                 count=len(rows_payloads))
+            return BlockData(names, self._array_columns(block, batch, _runs(rows_payloads),
+                                                        counts), True,
                              rows_payloads[0].columns.plan.types)
         values: list[list[Any]] = []
         positions = block.positions.tolist()
@@ -597,16 +614,16 @@ class ClickHouseBlockWriter:
             values.append(col)
         return BlockData(names, values, False)
 
-    def _numpy_eligible(self, block: Block, payloads: Sequence[Rows]) -> bool:
-        """Every column an array of a numpy-mode type, and the block within one
-        driver insert block (a function of the block only: a retry agrees)."""
+    def _numpy_eligible(self, block: Block, rows: int, sets: Sequence[ColumnSet]) -> bool:
+        """Every column (of the block's column ``sets``, ``rows`` rows in all) an array
+        of a numpy-mode type, and the block within one driver insert block (a
+        function of the block only: a retry agrees)."""
         limit = int(self.config.extra_settings.get("insert_block_size",
                                                    DEFAULT_INSERT_BLOCK_SIZE))
-        if block.rows > limit or sum(p.count for p in payloads) > limit:
+        if block.rows > limit or rows > limit:
             return False
         seen: set[int] = set()
-        for payload in payloads:
-            cs = payload.columns
+        for cs in sets:
             if id(cs) in seen:
                 continue
             seen.add(id(cs))
@@ -618,17 +635,11 @@ class ClickHouseBlockWriter:
         return True
 
     @staticmethod
-    def _array_columns(block: Block, batch: Batch, payloads: Sequence[Rows]) -> list[Any]:
-        plan = payloads[0].columns.plan
-        counts = np.fromiter((p.count for p in payloads), dtype=np.int64, count=len(payloads))
-        # Consecutive payloads that are adjacent slices of one ColumnSet (the usual
-        # case: one decode per table and partition) are taken as one slice.
-        runs: list[tuple[ColumnSet, int, int]] = []
-        for p in payloads:
-            if runs and runs[-1][0] is p.columns and runs[-1][2] == p.start:
-                runs[-1] = (p.columns, runs[-1][1], p.stop)
-            else:
-                runs.append((p.columns, p.start, p.stop))
+    def _array_columns(block: Block, batch: Batch, runs: Sequence[tuple[ColumnSet, int, int]],
+                       counts: npt.NDArray[np.int64]) -> list[Any]:
+        """The block's columns from its ``runs`` of rows (:func:`_runs`) and each
+        message's row count (``counts``, for the ``_offset`` column)."""
+        plan = runs[0][0].plan
         n = int(counts.sum())
         out: list[Any] = []
         for j, name in enumerate(plan.columns):
@@ -815,6 +826,19 @@ class ClickHouseBlockWriter:
             states.append(ReplicaState(address, str(rname), bool(readonly), bool(expired),
                                        int(queue), int(delay), entry))
         return states
+
+
+def _runs(payloads: Sequence[Rows]) -> list[tuple[ColumnSet, int, int]]:
+    """The payloads' rows as runs ``(columns, start, stop)``: consecutive payloads that
+    are adjacent slices of one ColumnSet (the usual case: one decode per table and
+    partition) are taken as one slice (as :meth:`rows.Payloads.runs` does)."""
+    runs: list[tuple[ColumnSet, int, int]] = []
+    for p in payloads:
+        if runs and runs[-1][0] is p.columns and runs[-1][2] == p.start:
+            runs[-1] = (p.columns, runs[-1][1], p.stop)
+        else:
+            runs.append((p.columns, p.start, p.stop))
+    return runs
 
 
 def is_quorum_failure(code: int | None, message: str) -> bool:

@@ -35,7 +35,8 @@ class Batch:
     dead-letter table), ``row_counts[i]`` the number of rows it carries and
     ``sizes[i]`` its encoded size in bytes. ``payloads[i]`` is opaque to the core
     and handed to the sink (``aggregator.clickhouse.prepare.prepare`` makes it: a
-    decoded ``Rows`` slice, or a ``DeadLetter`` for table id 0). ``tables`` maps
+    decoded ``Rows`` slice, or a ``DeadLetter`` for table id 0; ``prepare_envelopes``
+    gives a ``Payloads`` sequence of the same items, made on demand). ``tables`` maps
     every table id present to its ``database.table`` name. ``partition_end`` is the
     partition's log-end offset when known; it lets the core notice metadata that is
     ahead of the partition. ``pins`` are what the batch was prepared under besides

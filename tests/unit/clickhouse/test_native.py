@@ -168,6 +168,21 @@ def test_slices_and_concat_keep_the_rows(case: tuple[str, list[Any]], data: st.D
         assert encode_column(parse_type(spec), part) == driver_bytes(spec, values[a:b])
 
 
+@settings(max_examples=100, derandomize=True, deadline=None)
+@given(st.one_of(st.text(max_size=12), st.text(min_size=126, max_size=130)),
+       st.integers(0, 40), st.data())
+def test_a_repeated_value_encodes_as_the_driver_writes_it(value: str, n: int,
+                                                          data: st.DataObject) -> None:
+    """``StringColumn.repeat`` (the ``_topic`` column) encodes its one value n times
+    without a pass over the rows; the bytes are the driver's, sliced too."""
+    column = StringColumn.repeat(value, n)
+    assert encode_column(parse_type("String"), column) == driver_bytes("String", [value] * n)
+    a = data.draw(st.integers(0, n))
+    b = data.draw(st.integers(a, n))
+    assert (encode_column(parse_type("String"), column[a:b])
+            == driver_bytes("String", [value] * (b - a)))
+
+
 def test_repeat_and_driver_items() -> None:
     topic = StringColumn.repeat("tøpic", 3)
     assert topic.tolist() == ["tøpic"] * 3

@@ -22,7 +22,10 @@ from blockagg.aggregator.clickhouse.prepare import (
     prepare,
     prepare_envelopes,
 )
-from blockagg.aggregator.clickhouse.rows import Column, Rows
+from blockagg.aggregator.clickhouse.rows import Column, Payloads, Rows
+from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+from blockagg.aggregator.core.model import Batch, Thresholds
+from blockagg.aggregator.core.protocol import plan_batch
 from blockagg.proto.descriptors import message_class
 from blockagg.proto.envelope import make_envelope, parse_envelope, parse_envelopes
 from blockagg.proto.registry import MemoryStore, Registry, register
@@ -156,3 +159,53 @@ def test_a_row_upb_rejects_is_a_dead_letter(sample_fds: bytes) -> None:
         same(old, new)
         dead = new.payloads[0]
         assert isinstance(dead, DeadLetter) and "malformed group" in dead.error
+
+
+def test_bulk_payloads_insert_the_same_bytes(sample: Descriptor, sample_fds: bytes) -> None:
+    """The writer takes a block's rows from :class:`Payloads` as slices (no object
+    per message): the same columns, path and Native bytes as from the list of the
+    very same payloads, for every block of seeded mixes (several versions of a
+    table in one block included), so a block is the same insert either way."""
+    inner: Any = message_class(sample.fields_by_name["inner"].message_type)  # type: ignore[arg-type]
+    snapshot = registry(sample_fds)
+    sink = ClickHouseBlockWriter(WriterConfig(replicas=(Replica("h"),)))
+
+    @settings(max_examples=120, derandomize=True, deadline=None, database=None)
+    @given(st.lists(values(inner), max_size=40), st.integers(1, 12), st.booleans())
+    def check(items: list[tuple[bytes | None, int]], max_rows: int, numpy: bool) -> None:
+        prepared = prepare_envelopes("top", 2, list(range(len(items))), [t for _, t in items],
+                                     [v for v, _ in items],
+                                     Plans(snapshot, lambda t: LIVE[t]), "bl.dead")
+        assert isinstance(prepared.payloads, Payloads)
+        batches = [Batch("top", 2, 0, len(items), prepared.offsets, prepared.table_ids,
+                         prepared.row_counts, prepared.sizes, payloads, prepared.tables)
+                   for payloads in (prepared.payloads, list(prepared.payloads))]
+        plan = plan_batch(batches[0], None, Thresholds(max_rows, 1 << 30), 1, 1)
+        for block in plan.blocks:
+            bulk, listed = (sink.block_data(block, b, numpy=numpy) for b in batches)
+            assert (bulk.names, bulk.numpy, bulk.types) == (listed.names, listed.numpy,
+                                                            listed.types)
+            assert bulk.fresh(lists=True) == listed.fresh(lists=True)
+            if bulk.numpy:
+                assert (bulk.fresh(native=True).encoded
+                        == listed.fresh(native=True).encoded)
+    check()
+
+
+def test_payloads_index_like_a_list(sample: Descriptor, sample_fds: bytes) -> None:
+    inner: Any = message_class(sample.fields_by_name["inner"].message_type)  # type: ignore[arg-type]
+    ok = make_envelope("db.b", [inner(a=1).SerializeToString(),
+                                inner(a=2).SerializeToString()], 1)
+    prepared = prepare_envelopes("top", 0, [0, 1, 2], [6_000] * 3, [ok, None, ok],
+                                 Plans(registry(sample_fds), lambda t: LIVE[t]))
+    payloads = prepared.payloads
+    assert isinstance(payloads, Payloads) and len(payloads) == 3
+    first, second, third = payloads
+    assert isinstance(first, Rows) and (first.start, first.stop) == (0, 2)
+    assert isinstance(third, Rows) and (third.start, third.stop) == (2, 4)
+    assert isinstance(second, DeadLetter) and payloads[-2] is second
+    assert len(payloads[1:]) == 2 and payloads[1:][0] is second
+    runs = payloads.runs(np.array([0, 2]))
+    assert runs is not None and [(r[1], r[2]) for r in runs[0]] == [(0, 4)]
+    assert runs[1].tolist() == [2, 2]
+    assert payloads.runs(np.array([0, 1])) is None

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from blockagg.proto.decode import (
     arrow_type,
+    decode_in_place,
     decode_ranges,
     decode_rows,
     gather_rows,
@@ -218,6 +219,38 @@ def test_ranges_decode_like_rows(sample: Descriptor, data: st.DataObject) -> Non
     good = pa.array([i for i in range(len(rows)) if i not in want.errors], type=pa.int64())
     for name, column in want.columns.items():
         assert _same(got.columns[name].take(good).to_pylist(), column.take(good).to_pylist())
+
+
+@SETTINGS
+@given(data=st.data())
+def test_in_place_decodes_like_rows_or_declines(sample: Descriptor, data: st.DataObject) -> None:
+    """decode_in_place over rows left where they lie (in any order, junk between and
+    after them) decodes exactly as decode_rows when every row decodes, and declines
+    (None) exactly when one does not: a row's decoding, and whether it fails, do not
+    depend on the bytes around it, only a failing row's reason does."""
+    rows = data.draw(st.lists(st.one_of(samples(sample), samples(sample), st.binary(max_size=12)),
+                              max_size=8))
+    order = data.draw(st.permutations(range(len(rows))))
+    layout, starts, ends = b"", [0] * len(rows), [0] * len(rows)
+    for i in order:
+        layout += data.draw(st.binary(max_size=6))
+        starts[i], ends[i] = len(layout), len(layout) + len(rows[i])
+        layout += rows[i]
+    buf = padded_buffer(layout + data.draw(st.binary(max_size=6)))
+    got = decode_in_place(sample, buf, np.array(starts, dtype=np.int64),
+                          np.array(ends, dtype=np.int64))
+    want = decode_rows(sample, rows)
+    assert (got is None) == bool(want.errors)
+    if got is not None:
+        assert got.n == want.n and not got.errors
+        for name, column in want.columns.items():
+            assert _same(got.columns[name].to_pylist(), column.to_pylist())
+
+
+def test_in_place_refuses_an_unpadded_buffer(sample: Descriptor) -> None:
+    with pytest.raises(ValueError, match="PAD"):
+        decode_in_place(sample, np.frombuffer(b"\x08\x01" * 20, dtype=np.uint8),
+                        np.array([0]), np.array([2]))
 
 
 def test_ranges_refuse_another_layout(sample: Descriptor) -> None:

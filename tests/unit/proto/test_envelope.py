@@ -1,9 +1,21 @@
 from __future__ import annotations
 
-from hypothesis import given
+import itertools
+from typing import Any
+
+import numpy as np
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockagg.proto.envelope import Parsed, Rejected, make_envelope, parse_envelope
+from blockagg.proto.blockagg.v1.envelope_pb2 import Envelope
+from blockagg.proto.decode import decode_ranges, padded_buffer
+from blockagg.proto.envelope import (
+    Parsed,
+    Rejected,
+    make_envelope,
+    parse_envelope,
+    parse_envelopes,
+)
 
 
 def test_roundtrip() -> None:
@@ -43,3 +55,69 @@ def test_never_raises(data: bytes) -> None:
     result = parse_envelope(data)
     assert isinstance(result, Parsed | Rejected)
     assert parse_envelope(data) == result
+
+
+ENVELOPE_PARTS = st.one_of(
+    st.builds(make_envelope, st.sampled_from(["db.t", "db.u", "bad"]),
+              st.lists(st.binary(max_size=20), max_size=4), st.integers(0, 3)),
+    st.binary(max_size=24),
+    # an unknown group (field 4): upb skips it, the lock-step parse hands the row to upb
+    st.builds(lambda v: v + b"\x23\x24", st.builds(make_envelope, st.just("db.t"),
+                                                   st.lists(st.binary(max_size=5),
+                                                            min_size=1, max_size=2))),
+)
+
+
+@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.lists(ENVELOPE_PARTS, min_size=1, max_size=2).map(b"".join), max_size=12))
+def test_spans_are_where_the_rows_column_copies_from(values: list[bytes]) -> None:
+    """``decode_ranges(..., spans={"rows"})`` (the envelope's rows left in place) points
+    at exactly the bytes the copied ``rows`` column holds, with the same errors and
+    other columns; and a batch needing upb decodes as a column (no spans)."""
+    descriptor: Any = Envelope.DESCRIPTOR
+    lengths = np.array([len(v) for v in values], dtype=np.int64)
+    ends = np.cumsum(lengths)
+    buf = padded_buffer(b"".join(values))
+    want = decode_ranges(descriptor, buf, ends - lengths, ends)
+    got = decode_ranges(descriptor, buf, ends - lengths, ends, spans=frozenset({"rows"}))
+    assert got.errors == want.errors
+    if "rows" not in got.spans:
+        assert got.columns["rows"].to_pylist() == want.columns["rows"].to_pylist()
+        return
+    assert set(got.columns) == set(want.columns) - {"rows"}
+    for name, column in got.columns.items():
+        assert column.to_pylist() == want.columns[name].to_pylist()
+    spans = got.spans["rows"]
+    rows = [[buf[a:b].tobytes() for a, b in zip(spans.starts[lo:hi].tolist(),
+                                                spans.ends[lo:hi].tolist(), strict=True)]
+            for lo, hi in itertools.pairwise(spans.bounds.tolist())]
+    good = [i for i in range(len(values)) if i not in want.errors]
+    listed = want.columns["rows"].to_pylist()
+    assert [rows[i] for i in good] == [listed[i] for i in good]
+
+
+@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.one_of(ENVELOPE_PARTS, st.none()), max_size=12))
+def test_bulk_envelopes_parse_like_parse_envelope(values: list[bytes | None]) -> None:
+    """:func:`parse_envelopes` (rows left in place, or copied when upb had to decide
+    a message) gives :func:`parse_envelope`'s result for every message, and
+    ``rows_of`` lays out the accepted messages' rows as ``decode_rows`` would."""
+    envelopes = parse_envelopes(values)
+    assert list(envelopes) == [parse_envelope(v) for v in values]
+    accepted = np.flatnonzero(envelopes.table_index >= 0)
+    buf, starts, ends, counts = envelopes.rows_of(accepted)
+    flat = [row for i in accepted.tolist() for row in envelopes.rows(i)]
+    assert counts.tolist() == [len(envelopes.rows(i)) for i in accepted.tolist()]
+    assert [buf[a:b].tobytes() for a, b in zip(starts.tolist(), ends.tolist(),
+                                               strict=True)] == flat
+    assert buf[:int(ends[-1]) if ends.size else 0].tobytes() == b"".join(flat)
+    assert not buf[int(ends[-1]) if ends.size else 0:].any()
+
+
+def test_an_envelope_upb_must_decide_parses_alike() -> None:
+    """An unknown group in an envelope: upb skips it; the bulk parse agrees, and its
+    neighbours' rows stay right."""
+    odd = make_envelope("db.t", [b"\x08\x01"], 2) + b"\x23\x24"
+    values = [make_envelope("db.u", [b"\x08\x02", b""], 1), odd, None]
+    assert parse_envelope(odd) == Parsed("db.t", 2, [b"\x08\x01"])
+    assert list(parse_envelopes(values)) == [parse_envelope(v) for v in values]
