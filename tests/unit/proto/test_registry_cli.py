@@ -111,3 +111,23 @@ def test_cli_usage_errors(tmp_path: Path) -> None:
     fds.write_bytes(b"\xff\xff")
     assert run(store, "register", "db.t", "--descriptor-set", str(fds), "--message",
                "x.Y").exit_code == 2
+
+
+def test_a_ca_file_that_is_not_there_is_a_usage_error_naming_the_option(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.pem"
+    res = CliRunner().invoke(cli, ["--clickhouse-secure", "--clickhouse-ca-certs", str(missing),
+                                   "list"])
+    assert res.exit_code == 2
+    assert "--clickhouse-ca-certs" in res.output and "is not a file" in res.output
+
+
+def test_the_default_endpoint_follows_tls(monkeypatch: pytest.MonkeyPatch) -> None:
+    from blockagg.proto.cli import _default_hosts
+
+    monkeypatch.setenv("BLOCKAGG_CH_HOST", "ch")
+    monkeypatch.setenv("BLOCKAGG_CH_PORTS", "19000,19100")
+    monkeypatch.setenv("BLOCKAGG_CH_SECURE_PORTS", "19440,19540")
+    assert _default_hosts(False) == ("ch:19000",)
+    assert _default_hosts(True) == ("ch:19440",)
+    monkeypatch.delenv("BLOCKAGG_CH_SECURE_PORTS")
+    assert _default_hosts(True) == ("ch:9440",)
