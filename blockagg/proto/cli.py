@@ -22,6 +22,12 @@ from typing import Any, NoReturn
 import click
 
 from blockagg.aggregator import logs
+from blockagg.aggregator.clickhouse.cli_tls import (
+    TLS_FIX,
+    default_endpoint,
+    tls_from_flags,
+    tls_options,
+)
 from blockagg.aggregator.exceptions import BlockaggError
 from blockagg.proto.compat import DEFAULT_MODE, Mode
 from blockagg.proto.exceptions import IncompatibleSchema
@@ -37,9 +43,6 @@ from blockagg.proto.registry import (
 
 ColumnsFn = Callable[[str], Sequence[Any]]
 CHECK_TIMEOUT = 8.0
-TLS_FIX = ("--clickhouse-ca-certs (the CA that signed the server's certificate), "
-           "--clickhouse-no-verify, or --clickhouse-secure with the secure port "
-           "(9440 by default; plain 9000)")
 
 
 @dataclass
@@ -97,13 +100,6 @@ def _reachable_store(config: dict[str, Any], topic: str) -> Store:
     return KafkaStore(config, topic)
 
 
-def _default_hosts(secure: bool) -> tuple[str, ...]:
-    host = os.environ.get("BLOCKAGG_CH_HOST", "localhost")
-    var, port = ("BLOCKAGG_CH_SECURE_PORTS", "9440") if secure else ("BLOCKAGG_CH_PORTS", "9000")
-    ports = [p for p in os.environ.get(var, port).replace(",", " ").split() if p]
-    return tuple(f"{host}:{p}" for p in ports[:1] or [port])
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--bootstrap-servers", envvar="BLOCKAGG_BOOTSTRAP_SERVERS",
               default="localhost:9092",
@@ -118,15 +114,7 @@ def _default_hosts(secure: bool) -> tuple[str, ...]:
                    "the first of $BLOCKAGG_CH_PORTS).")
 @click.option("--user", envvar="BLOCKAGG_CH_USER", default="default", show_default=True)
 @click.option("--password", envvar="BLOCKAGG_CH_PASSWORD", default="")
-@click.option("--clickhouse-secure", "secure", is_flag=True, envvar="BLOCKAGG_CH_SECURE",
-              help="TLS to ClickHouse (the default endpoint becomes $BLOCKAGG_CH_HOST and the "
-                   "first of $BLOCKAGG_CH_SECURE_PORTS, else port 9440).")
-@click.option("--clickhouse-ca-certs", "ca_certs", envvar="BLOCKAGG_CH_CA_CERTS",
-              metavar="FILE",
-              help="CA certificates (PEM) to verify the server with, with "
-                   "--clickhouse-secure; default: the system's.")
-@click.option("--clickhouse-no-verify", "no_verify", is_flag=True,
-              help="Do not verify the server's certificate (testing only).")
+@tls_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON on stdout.")
 @click.pass_context
 def cli(ctx: click.Context, bootstrap_servers: str, topic: str, kafka_props: tuple[str, ...],
@@ -143,13 +131,8 @@ def cli(ctx: click.Context, bootstrap_servers: str, topic: str, kafka_props: tup
         if not sep:
             raise click.UsageError(f"-X expects KEY=VALUE, got {prop!r}")
         config[key] = value
-    from blockagg.aggregator.clickhouse.writer import tls_arguments
-
-    if secure and ca_certs is not None and not Path(ca_certs).is_file():
-        raise click.BadParameter(f"{ca_certs!r} is not a file",
-                                 param_hint="--clickhouse-ca-certs ($BLOCKAGG_CH_CA_CERTS)")
-    hosts = ch_hosts or _default_hosts(secure)
-    tls = tls_arguments(secure, not no_verify, ca_certs)
+    hosts = ch_hosts or (default_endpoint(secure),)
+    tls = tls_from_flags(secure, no_verify, ca_certs)
     ctx.obj = Context(as_json, lambda: _reachable_store(config, topic),
                       _clickhouse_columns(hosts, user, password, tls))
 

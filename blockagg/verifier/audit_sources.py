@@ -219,11 +219,10 @@ class ClickHouseAuditReader:
 
         if isinstance(exc, NetworkError | SocketTimeoutError | OSError | EOFError):
             if "SSL" in str(exc) or "certificate" in str(exc).lower():
+                from blockagg.aggregator.clickhouse.cli_tls import TLS_FIX
+
                 return AuditError(
-                    f"TLS with ClickHouse at {self.address} failed: {exc}; check "
-                    "--clickhouse-ca-certs (the CA that signed the server's certificate), "
-                    "--clickhouse-no-verify, or --clickhouse-secure with the secure port "
-                    "(9440 by default; plain 9000)")
+                    f"TLS with ClickHouse at {self.address} failed: {exc}; check {TLS_FIX}")
             return AuditError(f"cannot reach ClickHouse at {self.address}: {exc}; check "
                               "--clickhouse (HOST:PORT of the native protocol, e.g. 9000)")
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)

@@ -22,6 +22,7 @@ import click
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from blockagg.aggregator import logs
+from blockagg.aggregator.clickhouse.cli_tls import default_endpoint, tls_from_flags, tls_options
 from blockagg.aggregator.core.metadata import Metadata
 from blockagg.proto.envelope import is_table_name
 from blockagg.verifier.audit import DEFAULT_EXAMPLES, AuditReport, audit_partitions, make_plan
@@ -357,13 +358,6 @@ def _parse_from_offsets(values: tuple[str, ...]) -> dict[tuple[str | None, int],
     return start
 
 
-def _default_clickhouse(secure: bool) -> str:
-    host = os.environ.get("BLOCKAGG_CH_HOST", "localhost")
-    var, port = ("BLOCKAGG_CH_SECURE_PORTS", "9440") if secure else ("BLOCKAGG_CH_PORTS", "9000")
-    ports = os.environ.get(var, port).replace(",", " ").split()
-    return f"{host}:{ports[0] if ports else port}"
-
-
 def _parse_table(value: str, option: str) -> str:
     if not is_table_name(value):
         raise click.BadParameter(f"{value!r} is not database.table", param_hint=option)
@@ -384,15 +378,7 @@ def _parse_table(value: str, option: str) -> str:
 @click.option("--clickhouse", "clickhouse", default=None, metavar="HOST:PORT",
               show_default="$BLOCKAGG_CH_HOST:first of $BLOCKAGG_CH_PORTS, or localhost:9000",
               help="ClickHouse native-protocol endpoint (one replica of the shard).")
-@click.option("--clickhouse-secure", "secure", is_flag=True, envvar="BLOCKAGG_CH_SECURE",
-              help="TLS to ClickHouse (the default endpoint's port becomes the first of "
-                   "$BLOCKAGG_CH_SECURE_PORTS, else 9440).")
-@click.option("--clickhouse-ca-certs", "ca_certs", envvar="BLOCKAGG_CH_CA_CERTS",
-              metavar="FILE",
-              help="CA certificates (PEM) to verify the server with, with "
-                   "--clickhouse-secure; default: the system's.")
-@click.option("--clickhouse-no-verify", "no_verify", is_flag=True,
-              help="Do not verify the server's certificate (testing only).")
+@tls_options
 @click.option("--clickhouse-user", envvar="BLOCKAGG_CH_USER", default="default",
               show_default=True, help="ClickHouse user (env BLOCKAGG_CH_USER).")
 @click.option("--clickhouse-password-env", default="BLOCKAGG_CH_PASSWORD", show_default=True,
@@ -443,12 +429,8 @@ def audit(
     start = _parse_from_offsets(from_offsets)
     table_names = [_parse_table(t, "--table") for t in tables]
     dlt = _parse_table(dead_letter_table, "--dead-letter-table") if dead_letter_table else None
-    from blockagg.aggregator.clickhouse.writer import tls_arguments
-
-    clickhouse = clickhouse or _default_clickhouse(secure)
-    if secure and ca_certs is not None and not os.path.isfile(ca_certs):
-        raise click.BadParameter(f"{ca_certs!r} is not a file",
-                                 param_hint="--clickhouse-ca-certs ($BLOCKAGG_CH_CA_CERTS)")
+    clickhouse = clickhouse or default_endpoint(secure)
+    tls = tls_from_flags(secure, no_verify, ca_certs)
     host, sep, port = clickhouse.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise click.BadParameter(f"{clickhouse!r} is not HOST:PORT", param_hint="--clickhouse")
@@ -468,7 +450,7 @@ def audit(
         code = _audit(bootstrap_servers, group, list(topics), start, host, int(port),
                       clickhouse_user, password, list(databases), table_names, dlt, examples,
                       as_json, timeout, passthrough, query_settings,
-                      tls_arguments(secure, not no_verify, ca_certs))
+                      tls)
     except VerifierError as exc:
         click.echo(f"arv: error: {exc}", err=True)
         sys.exit(EXIT_CANNOT_RUN)

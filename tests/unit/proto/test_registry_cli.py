@@ -122,12 +122,12 @@ def test_a_ca_file_that_is_not_there_is_a_usage_error_naming_the_option(tmp_path
 
 
 def test_the_default_endpoint_follows_tls(monkeypatch: pytest.MonkeyPatch) -> None:
-    from blockagg.proto.cli import _default_hosts
+    from blockagg.aggregator.clickhouse.cli_tls import default_endpoint
 
     monkeypatch.setenv("BLOCKAGG_CH_HOST", "ch")
     monkeypatch.setenv("BLOCKAGG_CH_PORTS", "19000,19100")
     monkeypatch.setenv("BLOCKAGG_CH_SECURE_PORTS", "19440,19540")
-    assert _default_hosts(False) == ("ch:19000",)
-    assert _default_hosts(True) == ("ch:19440",)
+    assert default_endpoint(False) == "ch:19000"
+    assert default_endpoint(True) == "ch:19440"
     monkeypatch.delenv("BLOCKAGG_CH_SECURE_PORTS")
-    assert _default_hosts(True) == ("ch:9440",)
+    assert default_endpoint(True) == "ch:9440"

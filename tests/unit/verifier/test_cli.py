@@ -122,17 +122,6 @@ def test_merger_keeps_partition_order_and_interleaves_by_time() -> None:
     assert len(merger) == 0
 
 
-def test_audit_default_endpoint_follows_tls(monkeypatch: pytest.MonkeyPatch) -> None:
-    from blockagg.verifier.cli import _default_clickhouse
-
-    monkeypatch.setenv("BLOCKAGG_CH_HOST", "ch")
-    monkeypatch.setenv("BLOCKAGG_CH_PORTS", "19000,19100")
-    monkeypatch.setenv("BLOCKAGG_CH_SECURE_PORTS", "19440,19540")
-    assert (_default_clickhouse(False), _default_clickhouse(True)) == ("ch:19000", "ch:19440")
-    monkeypatch.delenv("BLOCKAGG_CH_SECURE_PORTS")
-    assert _default_clickhouse(True) == "ch:9440"
-
-
 def test_audit_refuses_a_ca_file_that_is_not_there(tmp_path: Path) -> None:
     res = CliRunner().invoke(cli, [
         "audit", "--bootstrap-servers", "k:9092", "--group", "g", "--clickhouse", "ch:9440",
