@@ -15,7 +15,7 @@ columns, re-read every ``columns_ttl_s``: not pinned (``docs/protocol.md``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -301,6 +301,19 @@ def _groups(keys: npt.NDArray[np.int64]) -> list[npt.NDArray[np.int64]]:
     return [split[g] for g in np.argsort(first, kind="stable").tolist()]
 
 
+def _by_table_version(envelopes: Envelopes, positions: npt.NDArray[np.int64],
+                      versions: npt.NDArray[np.int64]
+                      ) -> Iterator[tuple[npt.NDArray[np.int64], str, int]]:
+    """The messages at ``positions`` (``versions``: each one's schema version) grouped
+    by (table, version): each group's positions, table and version, in the order of
+    their first message."""
+    keys = envelopes.table_index[positions] * (1 << 33) + versions
+    for group in _groups(keys):
+        members = positions[group]
+        yield (members, envelopes.tables[int(envelopes.table_index[members[0]])],
+               int(versions[group[0]]))
+
+
 def needs_newer_any(registry: Registry, envelopes: Envelopes,
                     timestamps_ms: npt.NDArray[np.int64]) -> bool:
     """Whether :func:`needs_newer` holds for any accepted message of ``envelopes``
@@ -308,11 +321,8 @@ def needs_newer_any(registry: Registry, envelopes: Envelopes,
     the group's latest timestamp for version 0 (:meth:`Registry.covers` holds for
     every earlier one when it holds for the latest)."""
     accepted = np.flatnonzero(envelopes.table_index >= 0)
-    keys = envelopes.table_index[accepted] * (1 << 33) + envelopes.versions[accepted]
-    for group in _groups(keys):
-        members = accepted[group]
-        table = envelopes.tables[int(envelopes.table_index[members[0]])]
-        version = int(envelopes.versions[members[0]])
+    for members, table, version in _by_table_version(envelopes, accepted,
+                                                     envelopes.versions[accepted]):
         if needs_newer(registry, table, version, int(timestamps_ms[members].max())):
             return True
     return False
@@ -386,11 +396,7 @@ def prepare_envelopes(topic: str, partition: int,
         resolved[members] = version
 
     accepted = np.flatnonzero(env.table_index >= 0)
-    keys = env.table_index[accepted] * (1 << 33) + env.versions[accepted]
-    for group in _groups(keys):
-        members = accepted[group]
-        table = env.tables[int(env.table_index[members[0]])]
-        version = int(env.versions[members[0]])
+    for members, table, version in _by_table_version(env, accepted, env.versions[accepted]):
         if version != LATEST:
             accept(members, table, version)
             continue
@@ -412,11 +418,7 @@ def prepare_envelopes(topic: str, partition: int,
             accept(members[latest == number], table, int(number))
     tables: dict[int, str] = {}
     decided = np.flatnonzero(resolved > 0)
-    keys = env.table_index[decided] * (1 << 33) + resolved[decided]
-    for group in _groups(keys):
-        members = decided[group]
-        table = env.tables[int(env.table_index[members[0]])]
-        version = int(resolved[members[0]])
+    for members, table, version in _by_table_version(env, decided, resolved[decided]):
         plan, _ = plans.plan(table, version)  # a resolved version: pinned
         outcome = decide_envelopes(plan, env, members, columnar)
         good = np.ones(members.size, dtype=np.bool_)
