@@ -5,7 +5,6 @@ environment overrides, generated configs, the Kafka Metadata probe's wire format
 from __future__ import annotations
 
 import shlex
-import shutil
 import socket
 import ssl
 import struct
@@ -101,7 +100,6 @@ def test_clickhouse_configs_are_xml_with_own_ports_dirs_macros_and_shared_cluste
     ET.fromstring(stack_lib.CLICKHOUSE_USERS)
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is a stack dependency")
 def test_tls_certificates_verify_for_loopback_and_are_made_once(tmp_path: Path) -> None:
     folder = tmp_path / "tls"
     stack_lib.make_tls_certificates(folder)
