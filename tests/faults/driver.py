@@ -417,6 +417,24 @@ class Outcome:
     report: checker.Report | None = None
     interim: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+    run: str = ""
+    """The workload's run name (its topic is ``fx-<run>``): what ``--resume`` needs."""
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+    """Each time the run was resumed: after how many faults, by which commit."""
+
+    @classmethod
+    def load(cls, path: Path) -> Outcome:
+        """A run's outcome as its JSON left it (:meth:`write`), to go on from."""
+        data = json.loads(path.read_text())
+        out = cls(events=list(data["events"]), interim=list(data.get("interim_checks", [])),
+                  seconds=float(data["seconds"]), run=str(data.get("run", "")),
+                  resumes=list(data.get("resumes", [])))
+        for event in out.events:
+            fired = event.get("fired") is not False
+            (out.faults if fired else out.unfired)[event["kind"]] += 1
+            if fired and event.get("recover_s") is not None:
+                out.recover_s[event["kind"]].append(float(event["recover_s"]))
+        return out
 
     def summary(self) -> dict[str, Any]:
         def stats(xs: list[float]) -> dict[str, float]:
@@ -431,7 +449,9 @@ class Outcome:
                 "check": self.report.summary() if self.report else None,
                 "interim_checks": self.interim,
                 "events": self.events,
-                "seconds": round(self.seconds, 1)}
+                "seconds": round(self.seconds, 1),
+                "run": self.run,
+                "resumes": self.resumes}
 
     def write(self, path: Path | None) -> None:
         """Rewrite the summary (atomically), so a run cut short leaves its figures."""
@@ -557,7 +577,8 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
         rate: float = 0.0, check_every: int = 0, streams: int = 1,
         zookeeper_down_s: tuple[float, float] = (10, 25),
         json_path: Path | None = None, master: str = "local[2,4]",
-        py_files: list[Path] | None = None) -> tuple[Outcome, Workload, Job]:
+        py_files: list[Path] | None = None,
+        resume: Outcome | None = None) -> tuple[Outcome, Workload, Job]:
     """``faults`` faults (:func:`plan`) while ``messages`` are produced; after each
     fault the job is kept running and must have stored everything produced up to the
     fault's recovery within ``settle_s`` (that wait is the time to recover).
@@ -572,36 +593,67 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     produced meanwhile, so every row produced so far must already be stored exactly
     once. Those interim checks and every fault's event go into ``json_path``,
     rewritten after each fault. ``master`` is Spark's (``spark://...``: the job is
-    submitted with ``spark-submit``, shipping ``py_files``)."""
-    workload = Workload(stack.bootstrap, "127.0.0.1", stack.ch_ports, tables=tables,
-                        partitions=partitions, rows_per_message=rows_per_message,
-                        dead_every=dead_every, seed=seed)
-    workload.setup()
+    submitted with ``spark-submit``, shipping ``py_files``).
+
+    With ``resume`` (:meth:`Outcome.load` of a run whose harness died, e.g. with its
+    whole stack), the run goes on where it stopped: the same workload
+    (:meth:`Workload.resume`, rebuilt from its topics), job folder and checkpoint, the
+    faults of :func:`plan` it had not recorded, and first a full check, which then
+    also covers the kill of everything at once."""
+    if resume is None:
+        workload = Workload(stack.bootstrap, "127.0.0.1", stack.ch_ports, tables=tables,
+                            partitions=partitions, rows_per_message=rows_per_message,
+                            dead_every=dead_every, seed=seed)
+        workload.setup()
+        outcome = Outcome(run=workload.run)
+    else:
+        outcome = resume
+        restoring = time.monotonic()
+        workload = Workload.resume(outcome.run, stack.bootstrap, "127.0.0.1", stack.ch_ports,
+                                   initial_tables=tables, partitions=partitions,
+                                   rows_per_message=rows_per_message, dead_every=dead_every,
+                                   seed=seed)
+        _set_aside(folder / "hooks", f"before-resume-{len(outcome.resumes) + 1}")
+        outcome.resumes.append({"after_faults": len(outcome.events),
+                                "at_s": round(outcome.seconds, 1),
+                                "commit": _commit(),
+                                "messages_in_topic": workload.produced.messages,
+                                "restored_s": round(time.monotonic() - restoring, 1)})
     job = Job(workload, stack, folder, master=master, py_files=list(py_files or []))
-    outcome = Outcome()
-    started = time.monotonic()
+    started = time.monotonic() - outcome.seconds
     per_fault = max(1, messages // max(1, faults + 1))
     shared = _Run(workload, job, stack, outcome, seed, per_fault, rate, settle_s,
                   zookeeper_down_s, started, json_path)
+    recorded = {int(e["n"]) for e in outcome.events}
     order = list(enumerate(plan(kinds, faults, seed)))
     step = check_every or faults or 1
+
+    def full_check(after: int, **extra: Any) -> None:
+        if _wait_caught_up(workload, job, settle_s) is None:
+            print(f"not caught up for the check after {after} faults", file=sys.stderr,
+                  flush=True)
+            return
+        interim = {"after_faults": after, **extra,
+                   "messages_produced": workload.produced.messages,
+                   **checker.check(workload).summary()}
+        outcome.interim.append(interim)
+        outcome.write(json_path)
+        print(json.dumps({"interim_check": interim}), file=sys.stderr, flush=True)
+
     try:
-        workload.produce(per_fault, rate=rate)
+        if resume is None:
+            workload.produce(per_fault, rate=rate)
         job.start()
+        if resume is not None:
+            full_check(len(recorded), resumed=True)
         for first in range(0, faults, step):
-            shared.phase(order[first:first + step], streams)
+            todo = [f for f in order[first:first + step] if f[0] not in recorded]
+            if not todo:
+                continue
+            shared.phase(todo, streams)
             done = min(faults, first + step)
             if check_every and done % check_every == 0:
-                if _wait_caught_up(workload, job, settle_s) is None:
-                    print(f"not caught up for the check after {done} faults",
-                          file=sys.stderr, flush=True)
-                    continue
-                interim = {"after_faults": done,
-                           "messages_produced": workload.produced.messages,
-                           **checker.check(workload).summary()}
-                outcome.interim.append(interim)
-                outcome.write(json_path)
-                print(json.dumps({"interim_check": interim}), file=sys.stderr, flush=True)
+                full_check(done)
         workload.produce(messages - per_fault * (faults + 1) if
                          messages > per_fault * (faults + 1) else 0)
         if _wait_caught_up(workload, job, catch_up_s) is None:
@@ -612,6 +664,19 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
         job.close()
         outcome.seconds = time.monotonic() - started
     return outcome, workload, job
+
+
+def _set_aside(folder: Path, suffix: str) -> None:
+    """Move a folder of the run's past (e.g. hook records naming pids) out of the way."""
+    if folder.exists():
+        folder.rename(folder.with_name(f"{folder.name}-{suffix}"))
+    folder.mkdir(parents=True)
+
+
+def _commit() -> str:
+    res = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                         capture_output=True, text=True, check=False)
+    return res.stdout.strip() or "unknown"
 
 
 def unfired_line(outcome: Outcome) -> str:
@@ -656,7 +721,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="faults in flight at once, never two on one resource (1 = one by one)")
     ap.add_argument("--zookeeper-down", default="10,25", metavar="MIN,MAX",
                     help="seconds ZooKeeper stays unreachable, drawn between MIN and MAX")
+    ap.add_argument("--resume", action="store_true",
+                    help="go on with the run whose summary is --json (same --folder and "
+                         "arguments): its harness or whole stack was killed")
+    ap.add_argument("--run", default="",
+                    help="with --resume: the run's name (fx-<run>), for a summary without it")
     args = ap.parse_args(argv)
+    resume = None
+    if args.resume:
+        if args.json is None or not args.json.exists() or args.folder is None:
+            ap.error("--resume needs the run's --json summary and its --folder")
+        resume = Outcome.load(args.json)
+        resume.run = args.run or resume.run
+        if not resume.run:
+            ap.error(f"--resume: {args.json} does not name its run; give --run")
     low, _, high = args.zookeeper_down.partition(",")
     if args.streams < 1:
         ap.error(f"--streams {args.streams}: give 1 or more")
@@ -673,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
                                rows_per_message=args.rows_per_message,
                                dead_every=args.dead_every,
                                check_every=args.check_every, streams=args.streams,
-                               zookeeper_down_s=zookeeper_down_s, json_path=args.json)
+                               zookeeper_down_s=zookeeper_down_s, json_path=args.json,
+                               resume=resume)
     summary = outcome.summary()
     summary.pop("events")
     print(json.dumps(summary, indent=1, sort_keys=True))

@@ -27,6 +27,12 @@ right after the registration; the first id each table's producer wrote under eac
 schema is recorded, so the value of every row, the added columns included, is known:
 a row written before a column's version holds its ``DEFAULT``, a row written after,
 ``id * factor % 1000003``.
+
+A run outlives its process (:meth:`Workload.resume`): everything above is rebuilt from
+what the run left in Kafka, the data topic (every message once: the producer is
+idempotent) and the schema topic, so a run whose harness was killed with its whole stack
+continues on the same tables, topic and job, and its checks then hold the job to every
+message in the topic.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -43,8 +49,8 @@ import numpy as np
 
 from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
-from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import KafkaStore, MemoryStore, register
+from blockagg.proto.envelope import Envelopes, make_envelope, parse_envelopes
+from blockagg.proto.registry import KafkaStore, MemoryStore, Registration, Registry, register
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_PROTO = REPO_ROOT / "bench" / "row.proto"
@@ -99,6 +105,21 @@ class TableSchema:
 
 
 V1 = TableSchema()
+
+
+def added_field(column: str, number: int) -> AddedField:
+    """The added field ``column`` (``x<n>``, made by the run's ``n``-th schema change)
+    with field ``number``: its default and factor follow from ``n``."""
+    n = int(column[1:])
+    return AddedField(column, number, 1000 + n, 3 + n)
+
+
+def table_schema(version: int, message_name: str, fields: Iterable[tuple[str, int]]
+                 ) -> TableSchema:
+    """A registered version of ``Event`` as a :class:`TableSchema`: its package, and
+    the fields beyond the 10 of v1 (``fields``: name, number) as added ones."""
+    added = tuple(added_field(name, number) for name, number in fields if number > 10)
+    return TableSchema(version, message_name.rsplit(".", 1)[0], added)
 
 
 def varint(n: int) -> bytes:
@@ -184,6 +205,27 @@ class Produced:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
 
 
+def accepted_rows(envelopes: Envelopes) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The rows of the envelopes that parse (a rejected one has none): each row's
+    message (its index in the chunk) and its id (field 1, this workload's first bytes)."""
+    counts = envelopes.row_hi - envelopes.row_lo
+    message = np.repeat(np.arange(len(envelopes)), counts)
+    row = np.repeat(envelopes.row_lo - np.cumsum(counts) + counts, counts) + np.arange(
+        int(counts.sum()))
+    starts, buf = envelopes.row_starts[row], envelopes.buf
+    if starts.size and not np.all(buf[starts] == 0x08):
+        raise ValueError("a row does not start with field 1 (the id): not this workload's")
+    ids = np.zeros(starts.size, dtype=np.uint64)
+    going = np.ones(starts.size, dtype=np.bool_)
+    for k in range(10):
+        byte = buf[starts + 1 + k].astype(np.uint64)
+        ids[going] |= (byte[going] & np.uint64(0x7F)) << np.uint64(7 * k)
+        going &= (byte & np.uint64(0x80)) != 0
+        if not going.any():
+            break
+    return message, ids
+
+
 @dataclass
 class Workload:
     """One run's names and its producer. ``tables`` tables named ``t000``...; every
@@ -210,6 +252,7 @@ class Workload:
     reattached: list[tuple[str, int]] = field(default_factory=list)  # (table, replica)
 
     def __post_init__(self) -> None:
+        self._initial_tables = self.tables
         self.rng = random.Random(self.seed)
         self.events = random_events(512, self.seed)
         self.tails = [msg.SerializeToString() for msg in self.events]
@@ -426,6 +469,113 @@ class Workload:
                 **({"column": new.added[-1].column} if action == "add_column" else {}),
                 **({"reattached": [f"r{r + 1}" for _, r in self.reattached[reattached:]]}
                    if len(self.reattached) > reattached else {})}
+
+    # -- resuming a run (its harness and stack killed, its data kept) ---------------
+
+    @classmethod
+    def resume(cls, run: str, bootstrap: str, ch_host: str, ch_ports: Sequence[int],
+               initial_tables: int, **kwargs: Any) -> Workload:
+        """The workload of run ``run`` as its topics left it (:meth:`restore`): the
+        schema topic's registrations and every message of the data topic, read from
+        offset 0 to the end."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        workload = cls(bootstrap, ch_host, ch_ports, run=run, tables=initial_tables, **kwargs)
+        registry = Registry.load(KafkaStore({"bootstrap.servers": bootstrap},
+                                            workload.schema_topic))
+        consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"resume-{run}",
+                             "enable.auto.commit": False, "enable.partition.eof": True})
+        try:
+            meta = consumer.list_topics(workload.topic, timeout=30).topics[workload.topic]
+
+            def partition(p: int) -> Iterable[tuple[str, int, int, list[bytes | None]]]:
+                _, high = consumer.get_watermark_offsets(TopicPartition(workload.topic, p),
+                                                         timeout=30)
+                consumer.assign([TopicPartition(workload.topic, p, 0)])
+                at, first, values = 0, 0, list[bytes | None]()
+                quiet_since = time.monotonic()
+                while at < high:
+                    for msg in consumer.consume(50_000, timeout=5):
+                        offset = msg.offset()
+                        if msg.error() is None and offset is not None:
+                            first = first if values else offset
+                            values.append(msg.value())
+                            at, quiet_since = offset + 1, time.monotonic()
+                    if time.monotonic() - quiet_since > 120:
+                        raise TimeoutError(f"{workload.topic}[{p}]: stuck at offset {at} "
+                                           f"of {high}")
+                    if len(values) >= 200_000 or (values and at >= high):
+                        yield workload.topic, p, first, values
+                        values = []
+
+            workload.restore((chunk for p in sorted(meta.partitions) for chunk in partition(p)),
+                             {r.table: r for r in registry.registrations()})
+        finally:
+            consumer.close()
+        return workload
+
+    def restore(self, chunks: Iterable[tuple[str, int, int, list[bytes | None]]],
+                registrations: Mapping[str, Registration]) -> None:
+        """Rebuild what :meth:`produce` and :meth:`schema_change` recorded from what
+        they wrote: ``chunks`` are (topic, partition, first offset, consecutive message
+        values), ``registrations`` the schema topic's.
+
+        Holds because every value is a function of what the producer knew: a row's id
+        is its field 1, an envelope pins the version it was written with, a version's
+        added fields are in its registered descriptor (their default and factor follow
+        from their name), and ids only grow, so the first id of a (table, version) is
+        where its producer switched. The table order of future messages differs from an
+        uninterrupted run's (the seeded draw restarts); their ids stay unique."""
+        ids: dict[str, list[np.ndarray[Any, Any]]] = {}
+        first_of: dict[tuple[str, int], int] = {}
+        produced = Produced()
+        for topic, partition, offset, values in chunks:
+            env = parse_envelopes(values)
+            produced.messages += len(values)
+            produced.bytes += sum(len(v or b"") for v in values)
+            produced.dead.update((topic, partition, offset + i) for i in env.rejected)
+            message, rows = accepted_rows(env)
+            for t, name in enumerate(env.tables):
+                mine = env.table_index[message] == t
+                if not mine.any():
+                    continue
+                ids.setdefault(name, []).append(rows[mine])
+                versions = env.versions[message][mine]
+                for v in np.unique(versions).tolist():
+                    low = int(rows[mine][versions == v].min())
+                    key = (name, int(v))
+                    first_of[key] = min(first_of.get(key, low), low)
+        produced.ids = ids
+        produced.rows = sum(int(a.size) for parts in ids.values() for a in parts)
+        self.produced = produced
+        self._counter = produced.messages
+        self._next_id = 1 + max((int(a.max()) for parts in ids.values() for a in parts
+                                 if a.size), default=0)
+        names = [f"{self.database}.t{i:03d}" for i in range(len(registrations) + 1)]
+        self.tables = next(i for i, name in enumerate(names) if name not in registrations)
+        self.changed = {name for name in self.table_names()[self.initial_tables:]}
+        self.schemas, self.switches = {}, {}
+        columns: set[str] = set()
+        for name in self.table_names():
+            for v in registrations[name].versions:
+                fields = [(f.name, f.number) for f in v.descriptor.fields]
+                schema = table_schema(v.version, v.message_name, fields)
+                columns.update(f.column for f in schema.added)
+                if v.version == 1:
+                    continue
+                self.changed.add(name)
+                self.schemas[name] = schema
+                if (name, v.version) in first_of:
+                    self.switches.setdefault(name, []).append((first_of[name, v.version],
+                                                               schema))
+        # the n of the last change: x<n> columns and changes of every kind count
+        self.schema_changes = max([int(c[1:]) for c in columns] + [
+            sum(len(registrations[n].versions) for n in self.table_names())
+            - self.initial_tables])
+
+    @property
+    def initial_tables(self) -> int:
+        return self._initial_tables
 
     def _has_rows(self, table: str) -> None:
         client = self.clients()[0]
