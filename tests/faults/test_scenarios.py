@@ -141,3 +141,34 @@ def test_stalled_executor_is_fenced_on_a_standalone_cluster(
     assert "the commit of offset" in event["refused"]  # the producer epoch refused it
     assert ".zip" in str(event.get("blockagg_module")), event
     assert "spark-submit" in " ".join(job.command())
+
+
+@pytest.mark.integration
+@needs_job
+def test_a_run_resumed_after_everything_was_killed(stack: StackControl, tmp_path: Path) -> None:
+    """The long run outlives its harness (``--resume``): a run stops after 2 faults,
+    then the job, the broker, ZooKeeper and both replicas are killed (-9) together, and
+    a resumed run rebuilds its workload from the topics, checks (exact) before going on,
+    injects only the faults it had not recorded, and ends exact over every message."""
+    kinds = ["lost_ack", "task_after_commit", "commit_fails"]
+    summary = tmp_path / "run.json"
+    common: dict[str, Any] = dict(folder=tmp_path / "job", tables=4, partitions=2,
+                                  rows_per_message=5, dead_every=41, settle_s=240,
+                                  catch_up_s=300, json_path=summary)
+    first, workload, _ = driver.run(stack, kinds, faults=2, messages=1_200, seed=13, **common)
+    assert first.report is not None and first.report.ok
+    for service in ("clickhouse-r1", "clickhouse-r2", "kafka", "zookeeper"):
+        stack.kill9(service)
+    stack.up()
+
+    resume = driver.Outcome.load(summary)
+    assert resume.run == workload.run and len(resume.events) == 2
+    outcome, resumed, job = driver.run(stack, kinds, faults=4, messages=2_400, seed=13,
+                                       resume=resume, **common)
+    _assert_clean(outcome, kinds, job)
+    assert sorted(e["n"] for e in outcome.events) == [0, 1, 2, 3]
+    assert outcome.resumes[0]["after_faults"] == 2
+    assert outcome.resumes[0]["messages_in_topic"] == workload.produced.messages
+    (after_resume,) = [c for c in outcome.interim if c.get("resumed")]
+    assert after_resume["ok"] and after_resume["rows_stored"] == workload.produced.rows
+    assert resumed.produced.rows > workload.produced.rows
