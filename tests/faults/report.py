@@ -4,7 +4,8 @@
 Works on a run still in progress (the driver rewrites the summary after every fault):
 first the faults armed that never fired (not counted as injected) and why, then faults
 per kind, job restarts, time to recover (median / p90 / max over the faults that caught
-up within the settle time), and every check (interim and final)."""
+up within the settle time), every check (interim and final; a check made when the run was
+resumed is marked so), and each resume."""
 
 from __future__ import annotations
 
@@ -82,8 +83,9 @@ def check_table(summary: dict[str, Any]) -> list[str]:
     for c in checks:
         dead = c.get("dead_stored", {})
         produced = c.get("messages_produced")
+        after = f"{c['after_faults']} (resumed)" if c.get("resumed") else c["after_faults"]
         lines.append(
-            f"| {c['after_faults']} | {'' if produced is None else f'{produced:,}'} | "
+            f"| {after} | {'' if produced is None else f'{produced:,}'} | "
             f"{c['rows_expected']:,} | {c['rows_stored']:,} | {c['duplicates']} | "
             f"{c['missing']} | {dead.get('0', 0):,} / {dead.get('1', 0):,} of "
             f"{c['dead_expected']:,} | "
@@ -103,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(fault_table(events)))
     print()
     print("\n".join(check_table(summary)))
+    for r in summary.get("resumes") or []:
+        print(f"\nresumed after {r['after_faults']} faults ({r['at_s']:,.0f} s into the run) "
+              f"at commit {r['commit']}: {r['messages_in_topic']:,} messages in the topic, "
+              f"workload rebuilt in {r['restored_s']:.0f} s")
     return 0
 
 

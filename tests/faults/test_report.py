@@ -37,6 +37,20 @@ def test_check_table_lists_interim_then_final() -> None:
     assert lines[3].startswith("| final |") and lines[3].endswith("| 0 | 0 | True |")
 
 
+def test_a_check_made_on_resume_is_marked_and_the_resume_listed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({
+        "events": EVENTS, "seconds": 100.0, "check": None,
+        "interim_checks": [{"after_faults": 4, "resumed": True, **CHECK}],
+        "resumes": [{"after_faults": 4, "at_s": 61.2, "commit": "abc1234",
+                     "messages_in_topic": 1010, "restored_s": 2.0}]}))
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 4 (resumed) |  | 1,000 |" in out
+    assert "resumed after 4 faults (61 s into the run) at commit abc1234: 1,010 messages" in out
+
+
 def test_main_reads_a_run_in_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"events": EVENTS, "seconds": 61.2, "check": None}))
