@@ -61,6 +61,7 @@ from bench.workload import (
     create_topic,
     produce,
     session_processes,
+    stack_addresses,
 )
 from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
 from blockagg.proto.envelope import make_envelope
@@ -139,10 +140,11 @@ class TreeSampler:
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.bootstrap = os.environ["BLOCKAGG_BOOTSTRAP_SERVERS"]
-        self.host = os.environ.get("BLOCKAGG_CH_HOST", "127.0.0.1")
-        self.ports = [int(p) for p in os.environ["BLOCKAGG_CH_PORTS"].split(",")]
-        self.jars = os.environ["BLOCKAGG_SPARK_JARS"]
+        stack = stack_addresses()
+        self.bootstrap = stack["BLOCKAGG_BOOTSTRAP_SERVERS"]
+        self.host = stack.get("BLOCKAGG_CH_HOST", "127.0.0.1")
+        self.ports = [int(p) for p in stack["BLOCKAGG_CH_PORTS"].split(",")]
+        self.jars = stack["BLOCKAGG_SPARK_JARS"]
         self.run_id = uuid.uuid4().hex[:6]
         self.database = f"e2e_{self.run_id}"
         self.rows = Rows(args.rows, args.tables, args.rows_per_message, args.partitions,

@@ -57,6 +57,7 @@ from bench.workload import (
     proc_cpu_seconds,
     produce,
     self_cpu_seconds,
+    stack_addresses,
 )
 from tests.faults.stack import StackControl
 from tests.faults.workload import COORDINATES
@@ -341,15 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--append", action="store_true", help="append to docs/BENCHMARKS.md")
     args = ap.parse_args(argv)
 
-    bootstrap = os.environ["BLOCKAGG_BOOTSTRAP_SERVERS"]
-    host = os.environ.get("BLOCKAGG_CH_HOST", "127.0.0.1")
-    port = int(os.environ["BLOCKAGG_CH_PORTS"].split(",")[0])
+    stack = stack_addresses()
+    bootstrap = stack["BLOCKAGG_BOOTSTRAP_SERVERS"]
+    host = stack.get("BLOCKAGG_CH_HOST", "127.0.0.1")
+    ports = [int(p) for p in stack["BLOCKAGG_CH_PORTS"].split(",")]
+    port = ports[0]
     run = uuid.uuid4().hex[:6]
     database = f"bench_{run}"
     rows = Rows(args.rows, args.tables, args.rows_per_message, args.partitions, args.seed,
                 database)
     client = ch_client(host, port)
-    clients = [ch_client(host, int(p)) for p in os.environ["BLOCKAGG_CH_PORTS"].split(",")]
+    clients = [ch_client(host, p) for p in ports]
     create_tables(clients, database, ["raw"])
     env_topic, json_topic = f"bench-env-{run}", f"bench-json-{run}"
     create_topic(bootstrap, env_topic, args.partitions)
@@ -364,7 +367,6 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: raw_consume(bootstrap, env_topic, args.partitions, rows.messages)),
         raw_insert(rows, client, f"{database}.raw", args.block_rows, servers),
     ]
-    ports = [int(p) for p in os.environ["BLOCKAGG_CH_PORTS"].split(",")]
     for generation, lanes in enumerate(int(x) for x in args.same_blocks_lanes.split(",") if x):
         results.append(raw_insert_job_blocks(rows, host, ports, database, args.job_block_rows,
                                               lanes, args.quorum, servers, generation))

@@ -142,6 +142,15 @@ def stack_env() -> dict[str, str]:
     return env
 
 
+def stack_addresses() -> dict[str, str]:
+    """The stack's addresses: the ``BLOCKAGG_*`` variables of the environment where set
+    (``eval "$(scripts/stack env)"``), else what ``scripts/stack env`` says of the stack
+    the port variables point at, so a benchmark runs without the ``eval`` too."""
+    given = {k: v for k, v in os.environ.items() if k.startswith("BLOCKAGG_")}
+    needed = ("BLOCKAGG_BOOTSTRAP_SERVERS", "BLOCKAGG_CH_PORTS", "BLOCKAGG_SPARK_JARS")
+    return given if all(k in given for k in needed) else {**stack_env(), **given}
+
+
 def proc_cpu_seconds(pid: int) -> float:
     """utime + stime of a process and its waited-for children, in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
