@@ -56,6 +56,21 @@ class QuorumUnsatisfied(InsertFailed):
         return str(self.args[0])
 
 
+class AlterNotApplied(InsertFailed):
+    """Every attempt of a block was refused because the replicas had not yet applied an
+    ``ALTER`` of the table's columns (ClickHouse 18.16, code 244 ``Bad version`` of the
+    table's ``columns`` node). The message says what to check and the remedy for a
+    stalled replicated ALTER (:func:`aggregator.clickhouse.writer.alter_error`)."""
+
+    def __init__(self, table: str, code: int | None, message: str, attempts: int,
+                 explanation: str) -> None:
+        super().__init__(table, code, message, attempts)
+        self.args = (explanation,)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class DeadLetterRateExceeded(ClickHouseError):
     """Too large a share of the messages became dead letters: likely a bad deploy
     (a producer writing an unregistered table or a new schema without registering

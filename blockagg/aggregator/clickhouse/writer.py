@@ -47,6 +47,7 @@ from blockagg.aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_CO
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter
 from blockagg.aggregator.clickhouse.dedup_window import DedupNeed, judge_window
 from blockagg.aggregator.clickhouse.exceptions import (
+    AlterNotApplied,
     ClickHouseError,
     DedupModeMismatch,
     DedupNotConfigured,
@@ -784,6 +785,9 @@ class ClickHouseBlockWriter:
                 self._sleep(min(delay, self.config.backoff_max_s) * random.uniform(0.8, 1.2))
                 delay *= 2
         attempts = self.config.max_attempts
+        if what != "(query)" and is_alter_pending(last_code, last_message):
+            raise AlterNotApplied(what, last_code, last_message, attempts,
+                                  alter_error(what, last_code, last_message, attempts))
         if what != "(query)" and self.config.insert_quorum and quorum is not None:
             code, message = quorum
             raise QuorumUnsatisfied(what, code, message, attempts, quorum_error(
@@ -844,6 +848,26 @@ def _runs(payloads: Sequence[Rows]) -> list[tuple[ColumnSet, int, int]]:
 def is_quorum_failure(code: int | None, message: str) -> bool:
     """Whether a refused insert says the quorum could not be reached."""
     return code in QUORUM_CODES or (code == 159 and "quorum" in message.lower())
+
+
+def is_alter_pending(code: int | None, message: str) -> bool:
+    """Whether a refused insert says the replica has not applied an ALTER of the table's
+    columns yet (18.16: ``Bad version`` of ``.../columns`` while committing the part)."""
+    return code == 244 and "Bad version" in message and "/columns" in message
+
+
+def alter_error(table: str, code: int | None, message: str, attempts: int) -> str:
+    """One line for a block refused on every attempt because an ALTER of ``table`` was
+    not applied yet: what it means and what to do. Pure."""
+    first = " ".join(message.split("Stack trace:")[0].split())[:300]
+    return (f"insert into {table} failed after {attempts} attempt(s): the replicas have not "
+            f"applied an ALTER of the table's columns yet (code {code}: {first}); the part "
+            "was not committed. A replicated ALTER is normally applied within seconds: if "
+            f"this persists, check SELECT * FROM system.replication_queue WHERE table = "
+            f"'{table.split('.', 1)[-1]}' on each replica; on ClickHouse 18.16 a replica "
+            f"whose ALTER stalled needs DETACH TABLE {table} then ATTACH TABLE {table} "
+            "(docs/running.md, *When a replica does not catch up*). The batch is safe to "
+            "run again: the retry sends the identical block")
 
 
 def replicas_with_part(message: str) -> tuple[str, ...]:

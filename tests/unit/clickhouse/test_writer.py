@@ -13,6 +13,7 @@ from google.protobuf.descriptor import Descriptor
 from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
 from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
 from blockagg.aggregator.clickhouse.exceptions import (
+    AlterNotApplied,
     DedupNotConfigured,
     DedupWindowTooSmall,
     InsertFailed,
@@ -121,6 +122,24 @@ def test_an_insert_racing_an_alter_is_retried_on_the_other_replica(
     make_writer(script, log, insert_quorum=2).insert(block, batch)
     assert [host for host, *_ in log] == ["a", "b"]
     assert log[0][1:] == log[1][1:]
+
+
+def test_an_alter_never_applied_ends_in_one_line_with_the_remedy(
+        sample: Descriptor) -> None:
+    """Both replicas' ALTER stalled (18.16): every attempt is refused with 244, and the
+    batch fails with AlterNotApplied naming the table, the check and the remedy."""
+    batch, block = sample_batch(sample)
+    refusals = [ch_errors.ServerException(BAD_COLUMNS_VERSION, code=244) for _ in range(3)]
+    script: dict[str, Any] = {"a": list(refusals), "b": list(refusals)}
+    with pytest.raises(AlterNotApplied) as info:
+        make_writer(script, [], insert_quorum=2, max_attempts=4).insert(block, batch)
+    text = str(info.value)
+    assert info.value.code == 244 and info.value.attempts == 4
+    assert "\n" not in text and "failed after 4 attempt(s)" in text
+    assert "have not applied an ALTER of the table's columns" in text
+    assert "DETACH TABLE db.t then ATTACH TABLE db.t" in text
+    assert "system.replication_queue WHERE table = 't'" in text
+    assert isinstance(info.value, InsertFailed)
 
 
 def test_token_on_modern_server(sample: Descriptor) -> None:
