@@ -23,7 +23,7 @@ import difflib
 import os
 import re
 import tomllib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -295,6 +295,12 @@ class ClickHouseConfig:
     ca_certs: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     allow_small_dedup_window: bool = False
+    replay_across_alter: str = "refuse"
+    """What to do with a block that must be sent again after its table's columns
+    changed, on a server that deduplicates by content hash, when the table has no
+    Kafka coordinate columns to tell whether it landed: ``refuse`` (stop, nothing
+    sent), ``insert`` (risk a duplicate) or ``skip`` (risk a loss). For one restart,
+    after checking the table by hand (docs/schemas.md)."""
 
     def __repr__(self) -> str:
         return (
@@ -307,7 +313,8 @@ class ClickHouseConfig:
             f"insert_concurrency={self.insert_concurrency}, "
             f"ping_after_idle={self.ping_after_idle}, secure={self.secure}, verify={self.verify}, "
             f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r}, "
-            f"allow_small_dedup_window={self.allow_small_dedup_window})"
+            f"allow_small_dedup_window={self.allow_small_dedup_window}, "
+            f"replay_across_alter={self.replay_across_alter!r})"
         )
 
 
@@ -524,6 +531,19 @@ def _int(minimum: int, maximum: int | None = None) -> Callable[[object, str], in
         return value
 
     return check
+
+
+def _one_of(choices: Sequence[str]) -> Callable[[object, str], str]:
+    def check(value: object, path: str) -> str:
+        if value not in choices:
+            raise ConfigError(f"{path}: must be one of {', '.join(map(repr, choices))}, "
+                              f"got {value!r}")
+        return str(value)
+
+    return check
+
+
+REPLAY_ACROSS_ALTER: Final = ("refuse", "insert", "skip")
 
 
 def _bool(value: object, path: str) -> bool:
@@ -874,6 +894,8 @@ def from_dict(
         ca_certs=ch_t.take("ca_certs", _nonempty, None),
         settings=settings,
         allow_small_dedup_window=ch_t.take("allow_small_dedup_window", _bool, False),
+        replay_across_alter=ch_t.take("replay_across_alter", _one_of(REPLAY_ACROSS_ALTER),
+                                      "refuse"),
     )
     ch_t.done()
     for topic in topics:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from blockagg.aggregator.config import Config, TopicConfig
@@ -111,6 +111,11 @@ class DefaultComponents:
         """How the shard's server recognises a retried block now (asked per batch)."""
         return int(describer(config, topic).dedup_mode())
 
+    def structure_mark(self, config: Config, topic: TopicConfig, tables: Sequence[str]) -> int:
+        """The ZooKeeper mark of ``tables``' columns, read before a batch's first
+        attempts (``Pins.structure``, ``aggregator.clickhouse.structure``)."""
+        return int(describer(config, topic).structure_mark(tables))
+
 
 def insert_lanes(config: Config) -> Lanes:
     """How many inserts of one seal event run at once (``clickhouse.insert_concurrency``):
@@ -168,6 +173,7 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
         tls=tls_arguments(ch.secure, ch.verify, ch.ca_certs),
         dead_letter_table=config.dead_letters.table,
         extra_settings=dict(ch.settings),
+        replay_across_alter=ch.replay_across_alter,
     ))
 
 

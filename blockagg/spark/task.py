@@ -36,7 +36,13 @@ import pyarrow.compute as pc
 from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
 from blockagg.aggregator.config import Config, TopicConfig
-from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, NO_PINS, BlockRange, Pins
+from blockagg.aggregator.core.metadata import (
+    DEAD_LETTER_TABLE_ID,
+    NO_PINS,
+    BlockRange,
+    DedupMode,
+    Pins,
+)
 from blockagg.aggregator.core.model import (
     Batch,
     Block,
@@ -190,7 +196,9 @@ def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
       checked first when ``[schemas] refresh_interval`` has passed or a message needs
       a newer snapshot (:func:`aggregator.clickhouse.prepare.needs_newer`);
     * ``incarnation``: ``incarnation_of(cluster id, topic id)``, read from Kafka;
-    * ``dedup``: the shard's server mode (token or content hash).
+    * ``dedup``: the shard's server mode (token or content hash);
+    * ``structure``: under content hash, the ZooKeeper mark of the columns of every
+      registered table and the dead-letter table, read before any first attempt.
 
     Components without ``incarnation``/``dedup_mode`` (test doubles) leave those 0,
     and a registry without positions leaves ``registry`` 0: unpinned, as before."""
@@ -208,9 +216,16 @@ def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
         position = registry_pin(registry.position(newer))
     incarnation = getattr(components, "incarnation", None)
     dedup = getattr(components, "dedup_mode", None)
+    mode = int(dedup(config, topic)) if dedup else 0
+    mark = getattr(components, "structure_mark", None)
+    structure = 0
+    if mark and mode == DedupMode.BLOCK_HASH:
+        tables = registry.current().tables().values() if positioned(registry) else (
+            getattr(registry, "tables", {}))
+        structure = int(mark(config, topic, sorted({*tables, config.dead_letters.table})))
     return Pins(registry=position,
                 incarnation=int(incarnation(config, name)) if incarnation else 0,
-                dedup=int(dedup(config, topic)) if dedup else 0)
+                dedup=mode, structure=structure)
 
 
 def prepare_batch(

@@ -174,7 +174,8 @@ table = "{db}.dead_letters"
     intent = decode(last_commit(config, topic).metadata)
     incarnation = TopicIncarnations({"bootstrap.servers": kafka_bootstrap}).of(topic)
     assert intent.blocks and intent.pins == Pins(registry_pin(1), incarnation,
-                                                 DedupMode.BLOCK_HASH)
+                                                 DedupMode.BLOCK_HASH, intent.pins.structure)
+    assert intent.pins.structure > 0   # the replay compares db.a's columns with it
     # Between the attempt and the replay: db.b registered, column b added on every
     # replica and v2 registered with it.
     register(store, f"{db}.b", "pin.V1", fds, columns=writer.describe(f"{db}.b").columns)

@@ -107,6 +107,13 @@ class DedupModeMismatch(ClickHouseError):
     boundary. Nothing was sent."""
 
 
+class ReplayAcrossAlter(ClickHouseError):
+    """A block must be sent again after its table's columns changed, on a server that
+    recognises a stored block by a hash that covers the columns, and the table has no
+    Kafka coordinate columns to tell whether the first attempt landed. Nothing was
+    sent (``aggregator.clickhouse.structure``)."""
+
+
 class ClickHouseUnreachable(ClickHouseError):
     """A replica did not accept a connection (down, wrong host or port, firewall)."""
 

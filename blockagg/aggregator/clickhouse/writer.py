@@ -53,6 +53,7 @@ from blockagg.aggregator.clickhouse.exceptions import (
     DedupNotConfigured,
     InsertFailed,
     QuorumUnsatisfied,
+    ReplayAcrossAlter,
     TableNotFound,
 )
 from blockagg.aggregator.clickhouse.native import (
@@ -70,6 +71,14 @@ from blockagg.aggregator.clickhouse.rows import (
     Payloads,
     Rows,
     TablePlan,
+)
+from blockagg.aggregator.clickhouse.structure import (
+    DEAD_LETTER_COORDINATES,
+    TABLE_COORDINATES,
+    Coordinates,
+    StructureCache,
+    landed_query,
+    resend_risk,
 )
 from blockagg.aggregator.clickhouse.types import INT_RANGES, CHType, default_value, parse_type
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, DedupMode
@@ -243,6 +252,9 @@ class WriterConfig:
     tls: Mapping[str, Any] = field(default_factory=dict)
     """clickhouse-driver's TLS arguments (``secure``, ``verify``, ``ca_certs``), from
     ``[clickhouse]`` (:func:`tls_arguments`)."""
+    replay_across_alter: str = "refuse"
+    """``clickhouse.replay_across_alter``: a re-send after an ALTER that the table's
+    coordinates can't settle is refused, inserted or skipped."""
     ping_after_idle_s: float = 5.0
     """clickhouse-driver pings the server before every query; a connection that
     carried a query less than this many seconds ago skips the ping (0: always ping).
@@ -362,6 +374,7 @@ class ClickHouseBlockWriter:
         self._sleep = sleep
         self._preferred = 0
         self._server_version: tuple[int, ...] | None = None
+        self._structure = StructureCache()
 
     def _client(self, replica: Replica) -> Client:
         """This thread's client of ``replica``."""
@@ -712,10 +725,18 @@ class ClickHouseBlockWriter:
         sql = f"INSERT INTO {table} ({quoted}) VALUES"
         dedup = batch.pins.dedup
         settings = self._settings_on_a_fitting_replica(block, dedup)
+        by_hash = dedup == DedupMode.BLOCK_HASH or (
+            dedup == DedupMode.UNPINNED and not self.supports_token)
+        attempts = 0
 
         def send(client: Client) -> Any:
+            nonlocal attempts
+            attempts += 1
             if dedup:
                 self._check_dedup_mode(client, block, dedup)
+            if by_hash and (block.replay or attempts > 1) and self._already_stored(
+                    client, block, table, data, batch.pins.structure, attempts):
+                return None
             if data.numpy and _is_driver_client(client):
                 return client.execute(sql, data.fresh(native=_is_native_client(client)),
                                       columnar=True,
@@ -736,6 +757,72 @@ class ClickHouseBlockWriter:
                 self._preferred += 1
                 self._server_version = None
         return self.settings_for(block, dedup)
+
+    def structure_mark(self, tables: Sequence[str]) -> int:
+        """``Pins.structure`` for a batch that may write ``tables``: the highest zxid
+        of their ``columns`` nodes (:mod:`aggregator.clickhouse.structure`). Read
+        afresh only for tables whose ``columns_version`` moved on some replica, so a
+        batch costs one ``system.replicas`` query per replica."""
+        versions: dict[str, list[int]] = {}
+        for replica in self.config.replicas:
+            try:
+                rows = self._client(replica).execute(
+                    "SELECT database, table, columns_version FROM system.replicas")
+            except Exception:  # a replica down: its changes show in the re-send check
+                log.debug("system.replicas of %s unreadable", replica, exc_info=True)
+                self._drop(replica)
+                continue
+            for database, name, version in rows:
+                versions.setdefault(f"{database}.{name}", []).append(int(version))
+        return int(self._with_retries("(query)", lambda c: self._structure.mark(
+            functools.partial(_execute, c), tables, versions)))
+
+    def _already_stored(self, client: Client, block: Block, table: str, data: BlockData,
+                        mark: int, attempt: int) -> bool:
+        """Before a block is sent again under content-hash deduplication: ``True`` when
+        it is stored already and must not be sent; ``False`` when sending it is safe
+        (the table's columns are as they were at the intent's ``mark``, or the block
+        is in none of the replicas). Raises :class:`ReplayAcrossAlter` when only the
+        table's rows could tell and it has no coordinate columns."""
+        risk = resend_risk(functools.partial(_execute, client), table, mark)
+        if risk is None:
+            return False
+        kind = "replay" if block.replay and attempt == 1 else f"retry, attempt {attempt}"
+        where = f"{table} {block.topic}[{block.partition}] [{block.first}, {block.last}]"
+        if block.table_id == DEAD_LETTER_TABLE_ID:
+            coordinates: Coordinates | None = DEAD_LETTER_COORDINATES
+        elif all(c in data.names for c in COORDINATE_COLUMNS):
+            coordinates = TABLE_COORDINATES
+        else:
+            coordinates = None
+        if coordinates is None:
+            choice = self.config.replay_across_alter
+            if choice == "refuse":
+                raise ReplayAcrossAlter(replay_across_alter_error(where, kind, risk, data.rows))
+            log.warning("block %s (%s) sent again although %s: replay_across_alter = %r",
+                        where, kind, risk, choice)
+            return choice == "skip"
+        params = {"topic": block.topic, "partition": block.partition,
+                  "first": block.first, "last": block.last}
+        sql = landed_query(table, coordinates)
+        counts: list[int | None] = []
+        for replica in self.config.replicas:
+            try:
+                counts.append(int(self._client(replica).execute(sql, params)[0][0]))
+            except Exception:
+                self._drop(replica)
+                counts.append(None)
+        full = sum(c == data.rows for c in counts)
+        if full >= max(1, self.config.insert_quorum):
+            log.info("block %s (%s) not sent again: %s, and its %d rows are stored "
+                     "(rows in its range per replica: %s)", where, kind, risk, data.rows, counts)
+            return True
+        if all(c == 0 for c in counts):
+            log.info("block %s (%s) sent again: %s, and none of its rows is stored",
+                     where, kind, risk)
+            return False
+        raise Unsettled(f"block {where}: {risk}; its rows in each replica: {counts} of "
+                        f"{data.rows} (a replica down or a copy still replicating)")
 
     @staticmethod
     def _check_dedup_mode(client: Client, block: Block, dedup: int) -> None:
@@ -766,7 +853,7 @@ class ClickHouseBlockWriter:
                 if last_code not in RETRIABLE_CODES:
                     raise InsertFailed(what, last_code, last_message, attempt) from exc
             except (ch_errors.NetworkError, ch_errors.SocketTimeoutError, EOFError,
-                    OSError, ch_errors.UnexpectedPacketFromServerError) as exc:
+                    OSError, ch_errors.UnexpectedPacketFromServerError, Unsettled) as exc:
                 last_code, last_message = None, f"{type(exc).__name__}: {exc}"
             except ch_errors.Error as exc:
                 code = getattr(exc, "code", None)
@@ -830,6 +917,30 @@ class ClickHouseBlockWriter:
             states.append(ReplicaState(address, str(rname), bool(readonly), bool(expired),
                                        int(queue), int(delay), entry))
         return states
+
+
+class Unsettled(Exception):
+    """A re-sent block's rows are in some replicas but not enough to call it stored:
+    retried like a connection error, until the copies settle or attempts run out."""
+
+
+def _execute(client: Client, sql: str, params: Any) -> Any:
+    return client.execute(sql, params or None)
+
+
+def replay_across_alter_error(where: str, kind: str, risk: str, rows: int) -> str:
+    """The refusal of a re-send that only the table's rows could settle."""
+    table = where.split(" ", 1)[0]
+    return (f"block {where} ({rows} rows) must be sent again ({kind}), but {risk}. This "
+            "server deduplicates by a hash of the part it writes, which covers every "
+            "column the table has now: if the first attempt landed, the block would be "
+            f"stored twice, and blockagg can't tell whether it did because {table} has no "
+            "_topic/_partition/_offset columns. Nothing was sent. Look for the block's rows "
+            f"in {table}; then restart once with clickhouse.replay_across_alter = \"skip\" "
+            "if they are there or \"insert\" if they are not, and set it back. Adding the "
+            f"coordinate columns (ALTER TABLE {table} ADD COLUMN _topic String, ADD COLUMN "
+            "_partition UInt32, ADD COLUMN _offset UInt64) lets blockagg check by itself "
+            "from the next block on; on 22.2+ servers the block's token makes this moot.")
 
 
 def _runs(payloads: Sequence[Rows]) -> list[tuple[ColumnSet, int, int]]:

@@ -19,7 +19,7 @@ for one topic-partition:
 Encoding: ``"ba1:" + base85(msgpack([run, batch, start, end, resume, packed]))``
 or, when strictly shorter, ``msgpack([run, batch, start, end, resume, packed,
 [blocks, w1, w2, w3]])``; with pins, ``"ba2:" + base85(msgpack([run, batch, start,
-end, resume, packed, widths or nil, [registry, incarnation, dedup]]))``. Either
+end, resume, packed, widths or nil, [registry, incarnation, dedup(, structure)]]))``. Either
 way the block list holds three values per block, sorted by table id:
 ``table_id - previous_table_id`` (the first one raw), ``first - start`` and
 ``end - 1 - last``; the varint layout packs them as unsigned LEB128 varints, the
@@ -123,12 +123,17 @@ class Pins:
     Kafka cluster id and the topic id (:func:`incarnation_of`; ``0``: unknown), so a
     recreated topic or another cluster's topic of the same name is recognised, and it
     is part of every block's deduplication token. ``dedup`` is the
-    :class:`DedupMode` the blocks were inserted with.
+    :class:`DedupMode` the blocks were inserted with. ``structure`` is a ZooKeeper
+    transaction id at or above the last change of the columns of every table the
+    batch may write, read before any of its first attempts (``0``: not pinned):
+    under :attr:`DedupMode.BLOCK_HASH` a re-sent block hashes alike only if its
+    table's columns did not change since (:mod:`aggregator.clickhouse.structure`).
     """
 
     registry: int = 0
     incarnation: int = 0
     dedup: int = DedupMode.UNPINNED
+    structure: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.registry <= _MAX_OFFSET:
@@ -138,6 +143,9 @@ class Pins:
                 f"topic incarnation must fit in 64 bits unsigned, got {self.incarnation}")
         if self.dedup not in DedupMode._value2member_map_:
             raise MetadataError(f"unknown deduplication mode {self.dedup}")
+        if not 0 <= self.structure <= _MAX_OFFSET:
+            raise MetadataError(
+                f"structure mark must be in [0, 2**63), got {self.structure}")
 
 
 NO_PINS: Final = Pins()
@@ -366,7 +374,8 @@ def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     pins = metadata.pins
     tail: list[object] = []
     if pins != NO_PINS:
-        tail = [[pins.registry, pins.incarnation, int(pins.dedup)]]
+        tail = [[pins.registry, pins.incarnation, int(pins.dedup),
+                 *([pins.structure] if pins.structure else [])]]
     varints = msgpack.packb([*header, _pack_varints(fields), *([None] if tail else []), *tail],
                             use_bin_type=True)
     packed, widths = _pack_bits(fields)
@@ -442,7 +451,7 @@ def decode(text: str) -> Metadata:
 def _decode_pins(raw: object) -> Pins:
     if (
         not isinstance(raw, list)
-        or len(raw) != 3
+        or len(raw) not in (3, 4)
         or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw)
     ):
         raise MetadataDecodeError(f"bad pins in the metadata body: {raw!r:.80}")

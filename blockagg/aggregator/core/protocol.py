@@ -206,6 +206,7 @@ def _pins_for(where: str, resumption: Resumption, current: Pins) -> Pins:
         registry=pinned.registry or current.registry,
         incarnation=pinned.incarnation,
         dedup=pinned.dedup or current.dedup,
+        structure=pinned.structure,  # never a later mark: it must precede the first attempts
     )
 
 

@@ -38,6 +38,7 @@ pins_strategy = st.builds(
     registry=st.integers(min_value=0, max_value=2**63 - 1),
     incarnation=st.integers(min_value=0, max_value=2**64 - 1),
     dedup=st.sampled_from(list(DedupMode)),
+    structure=st.one_of(st.just(0), st.integers(min_value=1, max_value=2**63 - 1)),
 )
 
 OLD = incarnation_of("cluster-a", "topic-id-1")
@@ -78,7 +79,18 @@ def test_500_tables_with_pins_fit_the_default_limit() -> None:
     assert decode(text) == metadata
 
 
-@pytest.mark.parametrize("bad", [[1, 2], [1, 2, 9], [-1, 0, 0], [2**63, 0, 0], "x", [True, 0, 0]])
+def test_pins_without_a_structure_mark_encode_exactly_as_before() -> None:
+    """An intent of a token-deduplicating server (no mark) is the string it was."""
+    pins = Pins(registry=40, incarnation=OLD, dedup=DedupMode.TOKEN)
+    metadata = Metadata(7, 3, 100, 200, 120, (BlockRange(2, 120, 150),), pins)
+    text = encode(metadata)
+    marked = encode(dataclasses.replace(metadata, pins=dataclasses.replace(pins, structure=9)))
+    assert len(marked) > len(text)
+    assert decode(text).pins.structure == 0 and decode(marked).pins.structure == 9
+
+
+@pytest.mark.parametrize("bad", [[1, 2], [1, 2, 9], [-1, 0, 0], [2**63, 0, 0], "x", [True, 0, 0],
+                                 [1, 2, 1, -5], [1, 2, 1, 2**63], [1, 2, 1, 3, 4]])
 def test_bad_pins_are_a_decode_error(bad: object) -> None:
     import base64
 
@@ -128,6 +140,18 @@ def test_a_replay_uses_the_pins_of_the_intent_it_replays() -> None:
     committed = _intent(store, first)
     now = Pins(registry=45, incarnation=OLD, dedup=DedupMode.TOKEN)
     assert batch_pins("events", 0, committed, now) == first
+
+
+def test_a_replay_keeps_the_intents_structure_mark_never_a_later_one() -> None:
+    """The mark must precede the replayed blocks' first attempts: a mark read now
+    would hide an ALTER made since (aggregator.clickhouse.structure)."""
+    for first_mark in (0, 17):
+        store = MemoryMetadataStore()
+        first = Pins(registry=40, incarnation=OLD, dedup=DedupMode.BLOCK_HASH,
+                     structure=first_mark)
+        committed = _intent(store, first)
+        now = dataclasses.replace(first, structure=99)
+        assert batch_pins("events", 0, committed, now).structure == first_mark
 
 
 def test_after_a_final_commit_the_current_pins_apply() -> None:

@@ -223,3 +223,39 @@ def test_an_intent_written_before_pins_replays_as_before(fds: bytes) -> None:
     assert final.is_final and final.pins == replayed
     run(comps, [envelope(fds, "db.a", i) for i in range(5)])
     assert decode(comps._store.commits[("t", 0)].metadata).pins.incarnation == 11
+
+
+class Marked(Components):
+    """Components whose shard deduplicates by content hash and reads a structure mark
+    (``aggregator.clickhouse.structure``): ``marks`` says what each batch asked for."""
+
+    def __init__(self, registry: RegistryCache) -> None:
+        super().__init__(registry)
+        self.mark = 500
+        self.marks: list[tuple[str, ...]] = []
+
+    def structure_mark(self, config: Any, topic: Any, tables: Any) -> int:
+        self.marks.append(tuple(tables))
+        return self.mark
+
+
+def test_a_content_hash_batch_pins_the_mark_of_every_registered_table_and_a_replay_keeps_it(
+        fds: bytes) -> None:
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    register(store, "db.b", "vt.V1", fds, now_ms=T0, columns=V1)
+    comps = Marked(RegistryCache(store))
+    values = [envelope(fds, "db.a", 1), envelope(fds, "db.b", 2), envelope(fds, "db.a", 3)]
+    comps._store.crash_after = 1
+    with pytest.raises(Crash):
+        run(comps, values)
+    assert comps.marks == [("blockagg.dead_letters", "db.a", "db.b")]
+    assert decode(comps._store.commits[("t", 0)].metadata).pins.structure == 500
+    comps.mark = 900                         # an ALTER since: the replay must not take it
+    run(comps, values)
+    assert {pins.structure for pins, _ in comps._sink.blocks.values()} == {500}
+    comps.mode = DedupMode.TOKEN             # token deduplication: no mark, none asked
+    asked = len(comps.marks)
+    run(comps, [*values, envelope(fds, "db.a", 4)])
+    assert decode(comps._store.commits[("t", 0)].metadata).pins.structure == 0
+    assert len(comps.marks) == asked

@@ -1,0 +1,176 @@
+"""The re-send guard under content-hash deduplication (aggregator.clickhouse.structure):
+the mark, the check of a table's ZooKeeper ``columns`` nodes against it, and the
+writer's decision for a block sent again (not sent, sent, refused, retried), against a
+scripted ZooKeeper and scripted replicas. The same against real 18.16 servers:
+tests/integration/test_replay_across_alter.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from google.protobuf.descriptor import Descriptor
+
+from blockagg.aggregator.clickhouse.exceptions import InsertFailed, ReplayAcrossAlter
+from blockagg.aggregator.clickhouse.structure import (
+    StructureCache,
+    columns_state,
+    resend_risk,
+    structure_mark,
+)
+from blockagg.aggregator.core.metadata import DedupMode, Pins
+from tests.unit.clickhouse.test_writer import make_writer, sample_batch
+
+ZK = "/clickhouse/tables/01/db/t"
+
+
+class ZooKeeper:
+    """``system.replicas`` and ``system.zookeeper`` as ClickHouse answers them, for one
+    table ``db.t`` with replicas r1 and r2; counts every query."""
+
+    def __init__(self, shared: int = 10, r1: int = 11, r2: int = 12,
+                 values: tuple[str, str, str] = ("c1", "c1", "c1")) -> None:
+        self.zxids = {ZK: shared, f"{ZK}/replicas/r1": r1, f"{ZK}/replicas/r2": r2}
+        self.values = dict(zip(self.zxids, values, strict=True))
+        self.queries = 0
+
+    def __call__(self, sql: str, params: Any) -> Any:
+        self.queries += 1
+        if "FROM system.replicas" in sql:
+            return [("db", "t", ZK)]
+        path = (params or {}).get("p")
+        if "name = 'columns'" in sql:
+            return [(self.zxids[path], self.values[path])] if path in self.zxids else []
+        if path == f"{ZK}/replicas":
+            return [("r1",), ("r2",)]
+        return []
+
+
+def test_the_state_is_the_highest_zxid_and_whether_replicas_agree() -> None:
+    assert columns_state(ZooKeeper(), ZK).zxid == 12
+    assert columns_state(ZooKeeper(), ZK).agreed
+    assert not columns_state(ZooKeeper(values=("c2", "c2", "c1")), ZK).agreed
+
+
+def test_the_mark_covers_replicated_tables_only() -> None:
+    assert structure_mark(ZooKeeper(r2=40), ["db.t", "db.plain"]) == 40
+    assert structure_mark(ZooKeeper(), ["db.plain"]) == 0
+
+
+def test_a_table_unchanged_since_the_mark_is_sent_again_unchecked() -> None:
+    assert resend_risk(ZooKeeper(), "db.t", 12) is None
+    assert resend_risk(ZooKeeper(), "db.t", 50) is None
+
+
+def test_a_change_after_the_mark_or_replicas_disagreeing_is_a_risk() -> None:
+    changed = resend_risk(ZooKeeper(r1=60), "db.t", 12)
+    assert changed is not None and "zxid 60" in changed and "mark 12" in changed
+    applying = resend_risk(ZooKeeper(values=("c2", "c2", "c1")), "db.t", 12)
+    assert applying is not None and "ALTER is applying" in applying
+
+
+def test_no_mark_or_no_zookeeper_record_leaves_a_resend_unchecked() -> None:
+    zk = ZooKeeper(r1=60)
+    assert resend_risk(zk, "db.t", 0) is None and zk.queries == 0
+    assert resend_risk(zk, "db.plain", 12) is None
+
+
+def test_the_cache_reads_nodes_again_only_when_a_columns_version_moves() -> None:
+    zk, cache = ZooKeeper(), StructureCache()
+    assert cache.mark(zk, ["db.t"], {"db.t": [0, 0]}) == 12
+    first = zk.queries
+    assert cache.mark(zk, ["db.t"], {"db.t": [0, 0]}) == 12 and zk.queries == first
+    zk.zxids[f"{ZK}/replicas/r2"] = 70
+    assert cache.mark(zk, ["db.t"], {"db.t": [0, 1]}) == 70 and zk.queries > first
+
+
+class Replicas:
+    """The writer's fake clients, answering the guard's queries: ZooKeeper as
+    ``zk``, and each replica's count of the block's rows from ``landed``."""
+
+    def __init__(self, zk: ZooKeeper, landed: dict[str, Any]) -> None:
+        self.zk = zk
+        self.landed = landed
+
+    def patch(self, writer: Any) -> None:
+        factory = writer._factory
+
+        def make(replica: Any) -> Any:
+            client = factory(replica)
+            plain = client.execute
+
+            def execute(query: str, params: Any = None, **kw: Any) -> Any:
+                if "system.zookeeper" in query or "system.replicas" in query:
+                    return self.zk(query, params)
+                if query.startswith("SELECT count() FROM db.t WHERE `_topic`"):
+                    assert params == {"topic": "top", "partition": 0, "first": 10, "last": 11}
+                    got = self.landed[replica.host]
+                    if isinstance(got, Exception):
+                        raise got
+                    return [(got,)]
+                return plain(query, params, **kw)
+
+            client.execute = execute
+            return client
+
+        writer._factory = make
+
+
+def resend(sample: Descriptor, zk: ZooKeeper, landed: dict[str, Any], *, coordinates: bool = True,
+           quorum: int = 2, **kw: Any) -> list[Any]:
+    """Replay ``sample_batch``'s block pinned at mark 12 under content hash; the log
+    of inserts actually sent."""
+    batch, block = sample_batch(sample)
+    batch = dataclasses.replace(batch, pins=Pins(dedup=DedupMode.BLOCK_HASH, structure=12))
+    block = dataclasses.replace(block, replay=True)
+    log: list[Any] = []
+    writer = make_writer({}, log, insert_quorum=quorum, max_attempts=3, **kw)
+    Replicas(zk, landed).patch(writer)
+    if not coordinates:
+        real = writer.block_data
+
+        def without(*args: Any, **kwargs: Any) -> Any:
+            data = real(*args, **kwargs)
+            return dataclasses.replace(data, names=tuple(
+                n for n in data.names if not n.startswith("_")))
+
+        writer.block_data = without  # type: ignore[method-assign]
+    writer.insert(block, batch)
+    return log
+
+
+def test_a_replay_with_unchanged_columns_is_sent(sample: Descriptor) -> None:
+    assert len(resend(sample, ZooKeeper(), {"a": 3, "b": 3})) == 1
+
+
+def test_a_replay_after_an_alter_is_not_sent_when_its_rows_are_stored(
+        sample: Descriptor) -> None:
+    assert resend(sample, ZooKeeper(r1=60), {"a": 3, "b": 3}) == []
+
+
+def test_a_replay_after_an_alter_is_sent_when_no_replica_has_its_rows(
+        sample: Descriptor) -> None:
+    assert len(resend(sample, ZooKeeper(r1=60), {"a": 0, "b": 0})) == 1
+
+
+def test_rows_on_fewer_replicas_than_the_quorum_are_waited_for(sample: Descriptor) -> None:
+    with pytest.raises(InsertFailed, match="its rows in each replica"):
+        resend(sample, ZooKeeper(r1=60), {"a": 3, "b": 0})
+    assert resend(sample, ZooKeeper(r1=60), {"a": 3, "b": 0}, quorum=0) == []
+    with pytest.raises(InsertFailed, match="a replica down"):
+        resend(sample, ZooKeeper(r1=60), {"a": 0, "b": OSError("down")})
+
+
+def test_a_table_without_coordinates_is_refused_naming_block_change_and_remedy(
+        sample: Descriptor) -> None:
+    with pytest.raises(ReplayAcrossAlter) as info:
+        resend(sample, ZooKeeper(r1=60), {}, coordinates=False)
+    text = str(info.value)
+    for part in ("db.t top[0] [10, 11]", "zxid 60", "replay_across_alter", "Nothing was sent",
+                 "ADD COLUMN _topic String"):
+        assert part in text
+    assert len(resend(sample, ZooKeeper(r1=60), {}, coordinates=False,
+                      replay_across_alter="insert")) == 1
+    assert resend(sample, ZooKeeper(r1=60), {}, coordinates=False,
+                  replay_across_alter="skip") == []
