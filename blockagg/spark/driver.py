@@ -730,6 +730,8 @@ REFUSALS: dict[str, str] = {
     "MetadataContractViolation": "metadata_contract",
     "TopicIncarnationChanged": "topic_incarnation_changed",
     "PinsMismatch": "pins_mismatch",
+    # refused by the writer before a re-send (aggregator.clickhouse.structure)
+    "ReplayAcrossAlter": "replay_across_alter",
 }
 
 

@@ -28,6 +28,7 @@ from blockagg.spark.driver import (
     root_cause,
     short_error,
 )
+from blockagg.spark.exceptions import refusal_in
 from blockagg.spark.job import plain
 
 CONFIG = """
@@ -108,6 +109,11 @@ def test_refusal_reasons_name_the_protocol_refusal() -> None:
     text = "PythonException: blockagg.aggregator.core.exceptions.OffsetGap: t[0] gap"
     assert refusal_reasons(text) == ["gap"]
     assert refusal_reasons("ConnectionRefusedError") == []
+    text = ("PythonException: Traceback ...\n"
+            "blockagg.aggregator.clickhouse.exceptions.ReplayAcrossAlter: "
+            "block db.t t[0] [4, 9] (6 rows) must be sent again (replay), but ...")
+    assert refusal_reasons(text) == ["replay_across_alter"]
+    assert (refusal_in(text) or "").startswith("ReplayAcrossAlter: block db.t t[0] [4, 9]")
 
 
 def test_dead_letter_columns() -> None:
