@@ -821,6 +821,9 @@ class ClickHouseBlockWriter:
             log.info("block %s (%s) sent again: %s, and none of its rows is stored",
                      where, kind, risk)
             return False
+        if len(set(counts)) == 1 and None not in counts:
+            raise ReplayAcrossAlter(partly_stored_error(where, kind, risk, counts[0] or 0,
+                                                        data.rows, coordinates))
         raise Unsettled(f"block {where}: {risk}; its rows in each replica: {counts} of "
                         f"{data.rows} (a replica down or a copy still replicating)")
 
@@ -941,6 +944,25 @@ def replay_across_alter_error(where: str, kind: str, risk: str, rows: int) -> st
             f"coordinate columns (ALTER TABLE {table} ADD COLUMN _topic String, ADD COLUMN "
             "_partition UInt32, ADD COLUMN _offset UInt64) lets blockagg check by itself "
             "from the next block on; on 22.2+ servers the block's token makes this moot.")
+
+
+def partly_stored_error(where: str, kind: str, risk: str, stored: int, rows: int,
+                        coordinates: Coordinates) -> str:
+    """The refusal of a re-send whose block is in every replica, but only in part: its
+    rows span several partitions of the table (one part each) and an earlier attempt
+    failed between them."""
+    table, topic_partition, span = where.split(" ", 2)
+    topic, partition = topic_partition[:-1].split("[")
+    first, last = span.strip("[]").split(", ")
+    return (f"block {where} must be sent again ({kind}), but {risk}, and every replica "
+            f"holds {stored} of its {rows} rows: an earlier attempt stored some of its "
+            "partitions' parts and failed before the others. Sending it whole would store "
+            f"those {stored} rows twice, sending nothing would lose the rest. Nothing was "
+            f"sent. Delete the stored part (ALTER TABLE {table} DELETE WHERE "
+            f"{coordinates.topic} = '{topic}' AND {coordinates.partition} = {partition} AND "
+            f"{coordinates.offset} BETWEEN {first} AND {last}) and wait for the mutation on "
+            "every replica; then restart the job: with none of its rows stored, the block "
+            "is sent whole.")
 
 
 def _runs(payloads: Sequence[Rows]) -> list[tuple[ColumnSet, int, int]]:

@@ -162,6 +162,18 @@ def test_rows_on_fewer_replicas_than_the_quorum_are_waited_for(sample: Descripto
         resend(sample, ZooKeeper(r1=60), {"a": 0, "b": OSError("down")})
 
 
+def test_a_block_stored_in_part_on_every_replica_is_refused_with_the_delete_to_run(
+        sample: Descriptor) -> None:
+    """Its rows span several partitions of the table and an attempt failed between
+    their parts: neither sending it whole nor skipping it is right."""
+    with pytest.raises(ReplayAcrossAlter) as info:
+        resend(sample, ZooKeeper(r1=60), {"a": 2, "b": 2})
+    text = str(info.value)
+    assert "holds 2 of its 3 rows" in text
+    assert ("ALTER TABLE db.t DELETE WHERE _topic = 'top' AND _partition = 0 AND _offset "
+            "BETWEEN 10 AND 11") in text
+
+
 def test_a_table_without_coordinates_is_refused_naming_block_change_and_remedy(
         sample: Descriptor) -> None:
     with pytest.raises(ReplayAcrossAlter) as info:
