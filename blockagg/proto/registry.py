@@ -251,6 +251,29 @@ def pinned_position(pin: int) -> int:
     return pin - 1
 
 
+def _watermarks(consumer: Any, partition: Any, timeout_s: float) -> tuple[int, int]:
+    """The partition's low and high watermarks, asked again while the broker answers
+    with a retriable error (``NOT_LEADER_FOR_PARTITION`` while a restarted broker takes
+    its partitions back) until ``timeout_s`` passed."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    transient = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+                 KafkaError._TRANSPORT, KafkaError._TIMED_OUT}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(
+                partition, timeout=max(1.0, deadline - time.monotonic()))
+            return int(low), int(high)
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            retriable = isinstance(error, KafkaError) and (
+                error.retriable() or error.code() in transient)
+            if not retriable or time.monotonic() + 0.5 > deadline:
+                raise
+            time.sleep(0.5)
+
+
 class KafkaStore:
     """The registry topic. ``config`` is librdkafka configuration
     (``bootstrap.servers``, SASL/TLS settings…), passed through unchanged."""
@@ -298,8 +321,7 @@ class KafkaStore:
             if topic is None or topic.error is not None:
                 return 0
             _single_partition(self.topic, len(topic.partitions))
-            _, high = self._watcher.get_watermark_offsets(TopicPartition(self.topic, 0),
-                                                          timeout=self.timeout_s)
+            _, high = _watermarks(self._watcher, TopicPartition(self.topic, 0), self.timeout_s)
             return int(high)
         except KafkaException as exc:
             raise RegistryError(f"can't read the end of registry topic {self.topic}: "
@@ -322,8 +344,7 @@ class KafkaStore:
             _single_partition(self.topic, len(topic.partitions))
             ends: dict[int, int] = {}
             parts = []
-            low, high = consumer.get_watermark_offsets(
-                TopicPartition(self.topic, 0), timeout=self.timeout_s)
+            low, high = _watermarks(consumer, TopicPartition(self.topic, 0), self.timeout_s)
             if high > low:
                 ends[0] = high
                 parts.append(TopicPartition(self.topic, 0, low))
