@@ -18,6 +18,9 @@ earlier run can never drop a block and flatter the figures), and drains the topi
   and ``clickhouse.ping_after_idle = "0s"`` (one insert at a time, a ping before each
   query): the baseline of the concurrent inserts within this checkout;
 * ``exactly_once_cN``: the job as shipped with ``clickhouse.insert_concurrency = N``;
+* ``exactly_once_sN``: the job as shipped with N Spark task slots (``local[N]``) on the
+  same ``--cores`` CPUs: more partition tasks at once than cores, for tasks that mostly
+  wait on the servers;
 * ``baseline``: the job of another checkout (``--baseline-root``, e.g. ``git archive
   main``), run with the same configuration: a whole earlier version side by side;
 
@@ -66,6 +69,12 @@ from bench.workload import (
 from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
 from blockagg.proto.envelope import make_envelope
 from tests.faults.workload import COORDINATES, ROW_MESSAGE, row_descriptor_set, varint
+
+
+def task_slots(mode: str, cores: int) -> int:
+    """Spark task slots of a run: N for an ``…_sN`` mode, else one per core."""
+    tail = mode.rsplit("_s", 1)[-1] if "_s" in mode else ""
+    return int(tail) if tail.isdigit() else cores
 
 
 @dataclass
@@ -243,7 +252,7 @@ port = 0
         root = self.args.baseline_root if mode == "baseline" else REPO_ROOT
         env.update({
             "PYTHONPATH": str(root), "BLOCKAGG_LOG_FORMAT": "text",
-            "PYSPARK_SUBMIT_ARGS": (f"--master local[{cores}] --driver-memory 2g "
+            "PYSPARK_SUBMIT_ARGS": (f"--master local[{task_slots(mode, cores)}] --driver-memory 2g "
                                     f"--jars {self.jars} --conf spark.ui.enabled=false "
                                     "--conf spark.driver.host=127.0.0.1 "
                                     "--conf spark.driver.bindAddress=127.0.0.1 pyspark-shell"),
