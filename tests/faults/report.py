@@ -84,6 +84,10 @@ def check_table(summary: dict[str, Any]) -> list[str]:
         dead = c.get("dead_stored", {})
         produced = c.get("messages_produced")
         after = f"{c['after_faults']} (resumed)" if c.get("resumed") else c["after_faults"]
+        if c.get("skipped"):
+            lines.append(f"| {after} | {'' if produced is None else f'{produced:,}'} | "
+                         f"skipped: {c['skipped']} | | | | | | | |")
+            continue
         lines.append(
             f"| {after} | {'' if produced is None else f'{produced:,}'} | "
             f"{c['rows_expected']:,} | {c['rows_stored']:,} | {c['duplicates']} | "
