@@ -762,16 +762,22 @@ class ClickHouseBlockWriter:
         """``Pins.structure`` for a batch that may write ``tables``: the highest zxid
         of their ``columns`` nodes (:mod:`aggregator.clickhouse.structure`). Read
         afresh only for tables whose ``columns_version`` moved on some replica, so a
-        batch costs one ``system.replicas`` query per replica."""
-        versions: dict[str, list[int]] = {}
+        batch costs one ``system.replicas`` query per replica. When no replica answers,
+        the query is retried like any other and fails the batch in the end: a mark of 0
+        would read as "no mark" and leave every re-send of the batch unchecked."""
+        sql = "SELECT database, table, columns_version FROM system.replicas"
+        answers: list[Any] = []
         for replica in self.config.replicas:
             try:
-                rows = self._client(replica).execute(
-                    "SELECT database, table, columns_version FROM system.replicas")
+                answers.append(self._client(replica).execute(sql))
             except Exception:  # a replica down: its changes show in the re-send check
                 log.debug("system.replicas of %s unreadable", replica, exc_info=True)
                 self._drop(replica)
-                continue
+        if not answers:
+            # A mark of 0 would mean "no mark": every re-send of the batch unchecked.
+            answers.append(self._with_retries("(query)", lambda c: _execute(c, sql, None)))
+        versions: dict[str, list[int]] = {}
+        for rows in answers:
             for database, name, version in rows:
                 versions.setdefault(f"{database}.{name}", []).append(int(version))
         return int(self._with_retries("(query)", lambda c: self._structure.mark(
