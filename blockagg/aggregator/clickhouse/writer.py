@@ -132,6 +132,13 @@ NUMPY_TYPES: Final = frozenset({*INT_RANGES, "Float32", "Float64", "String", "Da
 written from arrays (integers, floats, String, DateTime without a time zone), or
 by the driver's generic column from an ``object`` array (Enum8/16, Array(T))."""
 
+LATE_FIRST_SEND_S: Final = 5.0
+"""A block's first attempt sent this long after its insert began (the fence's confirm
+just before) is checked like a re-send: the attempt stalled in between (SIGSTOP, a GC
+pause), and a newer attempt may have stored the block meanwhile under columns an
+``ALTER`` has since changed (docs/protocol.md, *The residual window*). A newer
+attempt needs a driver restart or a lost executor first, far longer than this."""
+
 DEFAULT_INSERT_BLOCK_SIZE: Final = 1_048_576
 """clickhouse-driver's ``insert_block_size``: larger blocks go as lists, which the
 driver splits at exactly this many rows (its numpy mode splits differently)."""
@@ -366,8 +373,10 @@ class ClickHouseBlockWriter:
 
     def __init__(self, config: WriterConfig,
                  client_factory: Callable[[Replica], Client] | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self._clock = clock
         self._factory = client_factory or default_client_factory(config)
         self._clients: dict[tuple[int, Replica], Client] = {}
         self._clients_lock = threading.Lock()
@@ -716,6 +725,7 @@ class ClickHouseBlockWriter:
 
     def insert(self, block: Block, batch: Batch) -> None:
         """Insert ``block`` (all its rows, in one insert); return once acknowledged."""
+        began = self._clock()
         table = (self.config.dead_letter_table if block.table_id == DEAD_LETTER_TABLE_ID
                  else block.table)
         data = self.block_data(block, batch)
@@ -734,8 +744,10 @@ class ClickHouseBlockWriter:
             attempts += 1
             if dedup:
                 self._check_dedup_mode(client, block, dedup)
-            if by_hash and (block.replay or attempts > 1) and self._already_stored(
-                    client, block, table, data, batch.pins.structure, attempts):
+            late = self._clock() - began if attempts == 1 else 0.0
+            if by_hash and (block.replay or attempts > 1 or late > LATE_FIRST_SEND_S) \
+                    and self._already_stored(client, block, table, data,
+                                             batch.pins.structure, attempts, late):
                 return None
             if data.numpy and _is_driver_client(client):
                 return client.execute(sql, data.fresh(native=_is_native_client(client)),
@@ -784,8 +796,9 @@ class ClickHouseBlockWriter:
             functools.partial(_execute, c), tables, versions)))
 
     def _already_stored(self, client: Client, block: Block, table: str, data: BlockData,
-                        mark: int, attempt: int) -> bool:
-        """Before a block is sent again under content-hash deduplication: ``True`` when
+                        mark: int, attempt: int, late: float = 0.0) -> bool:
+        """Before a block is sent again under content-hash deduplication (or its first
+        attempt goes out ``late`` seconds after the insert began): ``True`` when
         it is stored already and must not be sent; ``False`` when sending it is safe
         (the table's columns are as they were at the intent's ``mark``, or the block
         is in none of the replicas). Raises :class:`ReplayAcrossAlter` when only the
@@ -793,7 +806,8 @@ class ClickHouseBlockWriter:
         risk = resend_risk(functools.partial(_execute, client), table, mark)
         if risk is None:
             return False
-        kind = "replay" if block.replay and attempt == 1 else f"retry, attempt {attempt}"
+        kind = ("replay" if block.replay and attempt == 1 else f"retry, attempt {attempt}"
+                if attempt > 1 or block.replay else f"first attempt, {late:.0f} s late")
         where = f"{table} {block.topic}[{block.partition}] [{block.first}, {block.last}]"
         if block.table_id == DEAD_LETTER_TABLE_ID:
             coordinates: Coordinates | None = DEAD_LETTER_COORDINATES

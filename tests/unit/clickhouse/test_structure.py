@@ -19,6 +19,7 @@ from blockagg.aggregator.clickhouse.structure import (
     resend_risk,
     structure_mark,
 )
+from blockagg.aggregator.clickhouse.writer import LATE_FIRST_SEND_S
 from blockagg.aggregator.core.metadata import DedupMode, Pins
 from tests.unit.clickhouse.test_writer import make_writer, sample_batch
 
@@ -224,18 +225,23 @@ def test_the_mark_is_never_zero_because_no_replica_answered() -> None:
         writer.structure_mark(["db.t"])
 
 
-@pytest.mark.xfail(strict=True, reason="known gap, docs/protocol.md *The residual window*: "
-                   "a stalled attempt's late first send across an ALTER is not checked")
-def test_a_late_first_attempt_after_an_alter_is_checked(sample: Descriptor) -> None:
-    """An attempt stalls between its confirm and its first send; a newer attempt replays
-    the block (stored under the old columns); an ALTER lands; the stalled attempt wakes
-    and sends. Its first attempt is not a re-send, so it goes out unchecked and, hashed
-    with the new column, is stored again (found by review; needs a stall inside the
-    residual window *and* an ALTER of that table before it ends)."""
+def test_a_late_first_attempt_is_checked_like_a_resend(sample: Descriptor) -> None:
+    """An attempt stalls between its confirm and its first send; a newer attempt
+    replays the block (stored under the old columns); an ALTER lands; the stalled
+    attempt wakes and sends. Its first attempt, more than ``LATE_FIRST_SEND_S`` after
+    the insert began, is checked like a re-send: the rows are on both replicas, so it
+    is not sent (found by review). One on time goes out unchecked, as before."""
     batch, block = sample_batch(sample)
     batch = dataclasses.replace(batch, pins=Pins(dedup=DedupMode.BLOCK_HASH, structure=12))
-    log: list[Any] = []
-    writer = make_writer({}, log, insert_quorum=2, max_attempts=3)
-    Replicas(ZooKeeper(r1=60), {"a": 3, "b": 3}).patch(writer)
-    writer.insert(block, batch)
-    assert log == []
+
+    def first_send(elapsed: float) -> list[Any]:
+        log: list[Any] = []
+        writer = make_writer({}, log, insert_quorum=2, max_attempts=3)
+        ticks = iter([0.0, elapsed])
+        writer._clock = lambda: next(ticks)
+        Replicas(ZooKeeper(r1=60), {"a": 3, "b": 3}).patch(writer)
+        writer.insert(block, batch)
+        return log
+
+    assert first_send(LATE_FIRST_SEND_S + 60) == []
+    assert len(first_send(0.5)) == 1
