@@ -193,6 +193,16 @@ class StaticRegistry:
         return self.tables.get(table)
 
 
+PIN_CAPABILITIES: tuple[str, ...] = ("incarnation", "dedup_mode", "structure_mark")
+"""What the task asks of its components to pin a batch (``spark.task.current_pins``);
+components without one pin nothing there, silently: a hook must forward them."""
+
+
+def missing_pins(components: object) -> list[str]:
+    """The pin capabilities ``components`` lacks (a custom ``BLOCKAGG_COMPONENTS``)."""
+    return [name for name in PIN_CAPABILITIES if not callable(getattr(components, name, None))]
+
+
 def load_components(spec: str) -> Components:
     """``"module:attr"`` -> the Components it names (an instance, or a class/factory
     called without arguments). The ``BLOCKAGG_COMPONENTS`` environment variable of

@@ -116,12 +116,17 @@ def run(config: Config, until_caught_up: bool) -> int:
                 from blockagg.spark.driver import spark_log_level  # runs: keep its exit
 
                 spark_log_level()  # quiet (after the checks: they answer first)
-        from blockagg.spark.components import load_components
+        from blockagg.spark.components import load_components, missing_pins
         from blockagg.spark.driver import Driver, make_spark
 
         spark = make_spark(config)
         spec = os.environ.get("BLOCKAGG_COMPONENTS")
         components = load_components(spec) if spec else None
+        if components is not None and (missing := missing_pins(components)):
+            logs.event(log, "components without pins", level=30, components=spec,
+                       missing=missing, effect="a replay is not held to what its first "
+                       "attempt was prepared under (docs/protocol.md, What a replay "
+                       "depends on): forward these from the components you wrap")
         driver = Driver(config, spark, components)
         driver.install_signal_handlers()
         driver.metrics.serve(config.metrics.port, config.metrics.host)

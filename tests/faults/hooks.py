@@ -39,6 +39,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -280,6 +281,10 @@ class FaultComponents:
     def dedup_mode(self, config: Config, topic: TopicConfig) -> int:
         mode = getattr(self.inner, "dedup_mode", None)
         return int(mode(config, topic)) if mode else 0
+
+    def structure_mark(self, config: Config, topic: TopicConfig, tables: Sequence[str]) -> int:
+        mark = getattr(self.inner, "structure_mark", None)
+        return int(mark(config, topic, tables)) if mark else 0
 
 
 def from_env() -> FaultComponents:
