@@ -85,7 +85,10 @@ def match_columns(descriptor: Descriptor, columns: Sequence[Column]) -> tuple[
     whose name is equal ignoring case (if exactly one). Nested messages map to a
     ``Tuple`` column of the field's name (no flattening). Every field needs a
     column; every column without a default needs a field, except the coordinate
-    columns; types must convert (:func:`aggregator.clickhouse.types.field_mismatch`).
+    columns, which no field may fill (blockagg writes the Kafka topic, partition and
+    offset there: a producer's value could make two different blocks hash alike, and
+    the re-send check would count rows that are not the block's); types must convert
+    (:func:`aggregator.clickhouse.types.field_mismatch`).
     """
     fields = {fd.name: fd for fd in descriptor.fields}
     lower: dict[str, list[FieldDescriptor]] = {}
@@ -100,6 +103,15 @@ def match_columns(descriptor: Descriptor, columns: Sequence[Column]) -> tuple[
         fd: FieldDescriptor | None = fields.get(col.name)
         if fd is None and len(lower.get(col.name.lower(), [])) == 1:
             fd = lower[col.name.lower()][0]
+        if fd is not None and col.name in COORDINATE_COLUMNS:
+            problems.append(
+                f"field {fd.name} (number {fd.number}) of {descriptor.full_name} would fill "
+                f"column {col.name}, which blockagg fills with the message's Kafka "
+                "coordinates (they keep two equal blocks apart and let a re-send find "
+                "its rows); rename the field (its number stays, so the wire format "
+                "does not change) and its column")
+            used.add(fd.name)
+            continue
         if fd is None:
             if col.name not in COORDINATE_COLUMNS and not col.default_kind:
                 problems.append(f"column {col.name} {col.type} has no field in "

@@ -182,3 +182,19 @@ def test_check_names_a_recorded_column_the_table_lost(protos: dict[str, Path]) -
     assert json.loads(result.stdout)["versions"]["1"] == [
         "column a is Int64, registered as Int32 since registration (the job refuses this "
         "version's batches)"]
+
+
+def test_a_field_named_like_a_coordinate_column_is_refused(tmp_path: Path) -> None:
+    """A producer's ``_offset`` would make two different blocks hash alike (18.16
+    drops the second) and let a re-send count rows that are not the block's."""
+    proto = tmp_path / "coord.proto"
+    proto.write_text('syntax = "proto3";\npackage t;\n'
+                     "message Row { int32 a = 1; int32 b = 2; uint64 _OFFSET = 3; }\n")
+    store = MemoryStore()
+    result = reg(store, proto)
+    assert result.exit_code == 1, result.output
+    assert ("field _OFFSET (number 3) of t.Row would fill column _offset, which blockagg "
+            "fills with the message's Kafka coordinates") in result.stderr
+    assert "rename the field" in result.stderr
+    assert "has no column" not in result.stderr
+    assert store.records == []
