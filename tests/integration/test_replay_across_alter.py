@@ -6,6 +6,7 @@ retried across a schema change stored 211 rows twice (docs/RELIABILITY.md)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -134,3 +135,38 @@ def test_a_table_without_coordinates_refuses_the_replay_and_sends_nothing(
         writer.insert(dataclasses.replace(stored, replay=True), batch)
     assert _counts(ch_replicas, table) == [20, 20]
     assert writer.structure_mark([table]) > mark, "a new batch's mark covers the ALTER"
+
+
+def test_an_attempt_still_running_holds_its_query_id_until_it_ends(
+        stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str,
+        tmp_path: Path) -> None:
+    """What the re-send check relies on, on the real 18.16 replicas: an insert waiting
+    for its quorum shows under the block's query id in ``system.processes``, and a
+    second query with that id is refused (code 216) until the first ends."""
+    from clickhouse_driver.errors import ServerException
+
+    table = _table(ch_replicas, ch_database, "slow", COLUMNS_1816)
+    writer = writer_for(stack_env, insert_quorum=2, insert_quorum_timeout_ms=120_000)
+    batch, block, _ = _batch_and_blocks(writer, table, tmp_path)
+    mark = writer.structure_mark([table, "blockagg.dead_letters"])
+    batch = dataclasses.replace(batch, pins=Pins(dedup=DedupMode.BLOCK_HASH, structure=mark))
+    ch_replicas[1].execute(f"SYSTEM STOP FETCHES {table}")
+    first = threading.Thread(target=writer.insert, args=(block, batch))
+    first.start()
+    try:
+        other = writer_for(stack_env)
+        deadline = time.monotonic() + 60
+        while not other._still_running(block.token):
+            assert time.monotonic() < deadline, "the waiting insert never showed"
+            time.sleep(0.1)
+        port = stack_env["BLOCKAGG_CH_PORTS"].split(",")[0]
+        assert other._still_running(block.token) == [f"{stack_env['BLOCKAGG_CH_HOST']}:{port}"]
+        with pytest.raises(ServerException) as refused:
+            ch_replicas[0].execute("SELECT 1", query_id=block.token)
+        assert refused.value.code == 216
+    finally:
+        ch_replicas[1].execute(f"SYSTEM START FETCHES {table}")
+        first.join(timeout=120)
+    assert not first.is_alive()
+    assert writer_for(stack_env)._still_running(block.token) == []
+    assert _counts(ch_replicas, table) == [20, 20]

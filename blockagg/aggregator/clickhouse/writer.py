@@ -94,6 +94,8 @@ RETRIABLE_CODES: Final = frozenset({
     202,  # TOO_MANY_SIMULTANEOUS_QUERIES
     203,  # NO_FREE_CONNECTION
     209,  # SOCKET_TIMEOUT
+    216,  # QUERY_WITH_SAME_ID_IS_ALREADY_RUNNING (an earlier attempt of the block, see
+          # block_query_id)
     210,  # NETWORK_ERROR
     225,  # NO_ZOOKEEPER
     236,  # ABORTED
@@ -738,6 +740,7 @@ class ClickHouseBlockWriter:
         by_hash = dedup == DedupMode.BLOCK_HASH or (
             dedup == DedupMode.UNPINNED and not self.supports_token)
         attempts = 0
+        query_id = block_query_id(block)
 
         def send(client: Client) -> Any:
             nonlocal attempts
@@ -751,10 +754,10 @@ class ClickHouseBlockWriter:
                 return None
             if data.numpy and _is_driver_client(client):
                 return client.execute(sql, data.fresh(native=_is_native_client(client)),
-                                      columnar=True,
+                                      columnar=True, query_id=query_id,
                                       settings={**settings, "use_numpy": True})
             return client.execute(sql, data.fresh(lists=True), columnar=True,
-                                  settings=settings)
+                                  query_id=query_id, settings=settings)
         self._with_retries(table, send)
 
     def _settings_on_a_fitting_replica(self, block: Block, dedup: int) -> dict[str, Any]:
@@ -822,6 +825,11 @@ class ClickHouseBlockWriter:
             log.warning("block %s (%s) sent again although %s: replay_across_alter = %r",
                         where, kind, risk, choice)
             return choice == "skip"
+        running = self._still_running(block_query_id(block))
+        if running:
+            raise Unsettled(f"block {where}: {risk}; an earlier attempt of it is still "
+                            f"running on {', '.join(running)}, so its rows can't be "
+                            "counted yet")
         params = {"topic": block.topic, "partition": block.partition,
                   "first": block.first, "last": block.last}
         sql = landed_query(table, coordinates)
@@ -846,6 +854,22 @@ class ClickHouseBlockWriter:
                                                         data.rows, coordinates))
         raise Unsettled(f"block {where}: {risk}; its rows in each replica: {counts} of "
                         f"{data.rows} (a replica down or a copy still replicating)")
+
+    def _still_running(self, query_id: str) -> list[str]:
+        """The replicas where an attempt of the block with ``query_id`` is still
+        running. Counted before then, its rows would read 0 and the block would be
+        sent again; if the earlier attempt then commits (18.16 applies an ``ALTER``
+        behind a running insert) both copies would be kept. A replica that does not
+        answer is left to the row count, which then reads as unsettled."""
+        sql = "SELECT count() FROM system.processes WHERE query_id = %(id)s"
+        running = []
+        for replica in self.config.replicas:
+            try:
+                if int(self._client(replica).execute(sql, {"id": query_id})[0][0]):
+                    running.append(f"{replica.host}:{replica.port}")
+            except Exception:
+                self._drop(replica)
+        return running
 
     @staticmethod
     def _check_dedup_mode(client: Client, block: Block, dedup: int) -> None:
@@ -943,8 +967,17 @@ class ClickHouseBlockWriter:
 
 
 class Unsettled(Exception):
-    """A re-sent block's rows are in some replicas but not enough to call it stored:
-    retried like a connection error, until the copies settle or attempts run out."""
+    """A re-sent block's rows are in some replicas but not enough to call it stored,
+    or an earlier attempt of it is still running: retried like a connection error,
+    until the copies settle or attempts run out."""
+
+
+def block_query_id(block: Block) -> str:
+    """The query id of every attempt of ``block`` (its token: a pure function of the
+    block). A replica refuses a second query with the id of one still running (code
+    216, retried), so two attempts of one block never run at once on one replica, and
+    the re-send check can see an earlier attempt still running on any of them."""
+    return block.token
 
 
 def _execute(client: Client, sql: str, params: Any) -> Any:
