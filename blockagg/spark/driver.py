@@ -40,7 +40,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from types import FrameType
@@ -270,6 +270,20 @@ class Driver:
             finally:
                 writer.close()
 
+    def check_new_partitions(self, partitions: Iterable[TopicPartition]) -> None:
+        """Partitions the job had not seen (a topic's partitions added, a new topic
+        matched by the pattern) raise a shard's deduplication need: judge every
+        table again before the batch reads or writes anything, so a window that no
+        longer holds refuses here as it would at start (``DedupWindowTooSmall``)."""
+        new = set(partitions) - self.partitions
+        if not new:
+            return
+        self.partitions.update(new)
+        logs.event(log, "new partitions: tables checked again", level=30,
+                   partitions=",".join(f"{t}[{p}]" for t, p in sorted(new)),
+                   total=len(self.partitions))
+        self.check_tables(sorted(self.partitions))
+
     def check_idle_interval(self) -> None:
         """Refuse a ``job.idle_commit_interval`` that the brokers' offset retention
         would outrun (``spark.idle``); a cluster that does not tell its retention
@@ -494,7 +508,7 @@ class Driver:
         started = time.time()
         try:
             ranges = self._planned(batch_id)
-            self.partitions.update(ranges)
+            self.check_new_partitions(ranges)
             self.refresh_idle({tp: r for tp, r in ranges.items() if not r.empty})
             summary = self.run_ranges(df, ranges, batch_id)
         except BaseException as exc:

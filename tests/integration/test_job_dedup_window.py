@@ -5,6 +5,7 @@ default ``replicated_deduplication_window = 100``)."""
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 
@@ -38,3 +39,38 @@ def test_a_window_below_the_need_refuses_the_start_unless_allowed(chjob: ChJob) 
     said = allowed.stdout + allowed.stderr
     assert allowed.returncode == 0, said[-5000:]
     assert "below the 206 blocks" in said
+
+
+def test_partitions_added_while_running_refuse_a_window_that_no_longer_holds(
+        chjob: ChJob) -> None:
+    """3 partitions, max_offsets_per_trigger 47000, max_rows 1000: the need is
+    2 x (3 + 47) = 100 blocks, the tables' window: the job starts. A fourth partition
+    added while it runs makes it 2 x (4 + 47) = 102: the batch that first reads the
+    new partition refuses before it writes anything, naming the need."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewPartitions  # type: ignore[attr-defined]
+
+    running = chjob.popen("--set", "job.max_offsets_per_trigger=47000",
+                          "--set", "blocks.max_rows=1000")
+    try:
+        chjob.feed.good(30)
+        running.wait_batches(1)
+        admin = AdminClient({"bootstrap.servers": chjob.bootstrap})
+        admin.create_partitions([NewPartitions(chjob.topic, 4)])[chjob.topic].result(30)
+        producer = Producer({"bootstrap.servers": chjob.bootstrap})
+        deadline = time.monotonic() + 30
+        while len(producer.list_topics(chjob.topic, 5).topics[chjob.topic].partitions) < 4:
+            assert time.monotonic() < deadline, "the fourth partition never showed"
+            time.sleep(0.2)
+        _, _, value = chjob.feed._envelope()
+        producer.produce(chjob.topic, value=value, partition=3)
+        assert producer.flush(30) == 0
+        code = running.proc.wait(timeout=180)
+    finally:
+        if running.proc.poll() is None:
+            running.proc.kill()
+    running._reader.join(10)
+    said = running.output
+    assert code == 1, said[-6000:]
+    assert "new partitions: tables checked again" in said, said[-6000:]
+    assert "below the 102 blocks" in said and "4 partitions on the shard" in said, said[-6000:]

@@ -270,3 +270,23 @@ def test_py4j_callback_traces_only_at_debug() -> None:
         assert callback_log.filter(record)
     finally:
         root.setLevel(before)
+
+
+def test_partitions_added_while_running_have_the_tables_judged_again() -> None:
+    """A topic grown from 2 to 3 partitions raises the shard's deduplication need: the
+    batch that first sees the new one checks every table again, before any I/O."""
+    d = _driver()
+    d.partitions.update({("t", 0), ("t", 1)})
+    d.check_tables = MagicMock()  # type: ignore[method-assign]
+    d.run_ranges = MagicMock(  # type: ignore[method-assign]
+        side_effect=lambda df, ranges, batch_id: BatchSummary(batch_id))
+    empty = MagicMock(empty=True)
+    d._planned = MagicMock(return_value={("t", 0): empty, ("t", 1): empty})  # type: ignore
+    d.on_batch(MagicMock(), 1)
+    assert d.check_tables.call_count == 0
+    d._planned = MagicMock(  # type: ignore[method-assign]
+        return_value={("t", 0): empty, ("t", 1): empty, ("t", 2): empty})
+    d.on_batch(MagicMock(), 2)
+    d.check_tables.assert_called_once_with([("t", 0), ("t", 1), ("t", 2)])
+    d.on_batch(MagicMock(), 3)
+    assert d.check_tables.call_count == 1
