@@ -10,6 +10,8 @@ Invariant 1 of the mission, checked from outside the job:
 * ``arv verify`` over the job's group is clean (invariant 5: the committed metadata
   history has no Backward/Overlap/Gap);
 * ``arv audit`` is clean when this checkout has it (reported as ``None`` otherwise);
+* every partition's last intent under content-hash deduplication pins a structure mark
+  (:func:`check_pins`);
 * values, for the tables whose schema changed during the run (``Workload.changed``, the
   ``schema_change`` fault): every column of every row equals what its id was written
   with, each added column its ``DEFAULT`` for rows written before its version and the
@@ -69,6 +71,10 @@ class Report:
     verify_output: str = ""
     audit_code: int | None = None
     audit_output: str = ""
+    unpinned: list[str] = field(default_factory=list)
+    """Partitions whose last commit is under content-hash deduplication without a
+    structure mark: their re-sends across an ``ALTER`` go unchecked
+    (:func:`check_pins`)."""
 
     @property
     def rows_expected(self) -> int:
@@ -101,7 +107,8 @@ class Report:
                 and not any(self.dead_duplicates.values())
                 and not any(self.dead_missing.values())
                 and self.verify_code == 0
-                and self.audit_code in (None, 0))
+                and self.audit_code in (None, 0)
+                and not self.unpinned)
 
     def problems(self) -> list[str]:
         out = [f"{t.table}@r{t.replica + 1}: expected {t.expected}, count {t.count}, "
@@ -118,6 +125,8 @@ class Report:
             out.append(f"arv verify exit {self.verify_code}: {self.verify_output[-2000:]}")
         if self.audit_code not in (None, 0):
             out.append(f"arv audit exit {self.audit_code}: {self.audit_output[-2000:]}")
+        if self.unpinned:
+            out.append(f"content-hash intents without a structure mark: {self.unpinned}")
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -126,7 +135,7 @@ class Report:
                 "wrong_values": self.wrong_values, "values_checked": self.values_checked,
                 "dead_expected": self.dead_expected,
                 "dead_stored": self.dead_stored, "verify": self.verify_code,
-                "audit": self.audit_code, "ok": self.ok}
+                "audit": self.audit_code, "unpinned": len(self.unpinned), "ok": self.ok}
 
 
 def sync_replicas(clients: Sequence[Any], tables: Sequence[str], timeout: float = 120) -> None:
@@ -261,6 +270,31 @@ def has_audit() -> bool:
     return code == 0 and "audit" in out.lower()
 
 
+def check_pins(workload: Workload) -> list[str]:
+    """The partitions whose last committed intent deduplicates by content hash (18.16)
+    but pins no structure mark. The job's own adapters always pin one there; a zero
+    means something between the task and the writer dropped it, as the fault hook once
+    did (b6410fd), and the re-send check was off for the whole run."""
+    from confluent_kafka import Consumer
+
+    from blockagg.aggregator.core.metadata import DedupMode, decode
+    from blockagg.spark.offsets import read_committed
+
+    consumer = Consumer({"bootstrap.servers": workload.bootstrap, "group.id": workload.group,
+                         "enable.auto.commit": False})
+    try:
+        committed = read_committed(
+            consumer, [(workload.topic, p) for p in range(workload.partitions)])
+    finally:
+        consumer.close()
+    out = []
+    for (topic, partition), c in sorted(committed.items()):
+        pins = decode(c.metadata).pins
+        if pins.dedup == DedupMode.BLOCK_HASH and not pins.structure:
+            out.append(f"{topic}[{partition}]")
+    return out
+
+
 def check(workload: Workload, audit_args: Sequence[str] | None = None) -> Report:
     """The full check; call after :func:`caught_up`."""
     report = Report()
@@ -275,6 +309,7 @@ def check(workload: Workload, audit_args: Sequence[str] | None = None) -> Report
     report.verify_code, report.verify_output = arv(
         ["verify", "--bootstrap-servers", workload.bootstrap, "--group", workload.group,
          "--topic", workload.topic, "--json"])
+    report.unpinned = check_pins(workload)
     if has_audit():
         report.audit_code, report.audit_output = arv(
             ["audit", "--bootstrap-servers", workload.bootstrap, "--group", workload.group,
