@@ -152,6 +152,23 @@ def _counts(client: Any, tables: Sequence[str]) -> dict[str, int]:
     return out
 
 
+def count_duplicates(workload: Workload) -> int:
+    """Rows stored more than once, over every table and replica (``count() -
+    uniqExact(id)``): what a check can still say while the job is behind, since a
+    duplicate never goes away by waiting."""
+    total = 0
+    clients = workload.clients()
+    try:
+        for client in clients:
+            for table in workload.table_names():
+                total += int(client.execute(
+                    f"SELECT count() - uniqExact(id) FROM {table}")[0][0])
+    finally:
+        for c in clients:
+            c.disconnect()
+    return total
+
+
 def produced_counts(workload: Workload) -> dict[str, int]:
     """Rows produced per table so far, and dead letters under the dead-letter table."""
     want = {t: sum(int(a.size) for a in workload.produced.ids.get(t, []))

@@ -631,12 +631,19 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     def full_check(after: int, **extra: Any) -> None:
         """Waits as long as the final check does (a slow recovery, e.g. 18.16's stalled
         ALTER, must not cost the run its evidence); one that still finds the job behind is
-        recorded as skipped, with the reason, rather than left out."""
+        recorded as skipped, with the reason and the duplicates stored so far (waiting
+        never removes one), rather than left out."""
         if _wait_caught_up(workload, job, catch_up_s) is None:
             reason = f"not caught up within {catch_up_s:.0f} s"
             print(f"{reason} for the check after {after} faults", file=sys.stderr, flush=True)
+            try:
+                duplicates: int | None = checker.count_duplicates(workload)
+            except Exception as exc:  # a replica still down: the skip says enough
+                print(f"duplicates not counted: {exc}", file=sys.stderr, flush=True)
+                duplicates = None
             interim = {"after_faults": after, **extra,
-                       "messages_produced": workload.produced.messages, "skipped": reason}
+                       "messages_produced": workload.produced.messages, "skipped": reason,
+                       "duplicates": duplicates, "ok": False if duplicates else None}
         else:
             interim = {"after_faults": after, **extra,
                        "messages_produced": workload.produced.messages,

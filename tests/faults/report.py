@@ -85,8 +85,11 @@ def check_table(summary: dict[str, Any]) -> list[str]:
         produced = c.get("messages_produced")
         after = f"{c['after_faults']} (resumed)" if c.get("resumed") else c["after_faults"]
         if c.get("skipped"):
+            duplicates = c.get("duplicates")
             lines.append(f"| {after} | {'' if produced is None else f'{produced:,}'} | "
-                         f"skipped: {c['skipped']} | | | | | | | |")
+                         f"skipped: {c['skipped']} | | "
+                         f"{'' if duplicates is None else duplicates} | | | | | "
+                         f"{'False' if duplicates else ''} |")
             continue
         lines.append(
             f"| {after} | {'' if produced is None else f'{produced:,}'} | "

@@ -40,10 +40,14 @@ def test_check_table_lists_interim_then_final() -> None:
 def test_a_skipped_check_is_a_row_that_says_why() -> None:
     summary = {"interim_checks": [
         {"after_faults": 500, "messages_produced": 7, "skipped": "not caught up within 900 s"},
-        {"after_faults": 600, "messages_produced": 9, **CHECK}]}
+        {"after_faults": 600, "messages_produced": 9, **CHECK},
+        {"after_faults": 700, "messages_produced": 11, "skipped": "not caught up within 900 s",
+         "duplicates": 353}]}
     lines = check_table(summary)
     assert lines[2] == "| 500 | 7 | skipped: not caught up within 900 s | | | | | | | |"
     assert lines[3].startswith("| 600 | 9 | 1,000 |")
+    assert lines[4] == ("| 700 | 11 | skipped: not caught up within 900 s | | 353 | | | | | "
+                        "False |")
 
 
 def test_a_check_made_on_resume_is_marked_and_the_resume_listed(
