@@ -86,10 +86,10 @@ def check_table(summary: dict[str, Any]) -> list[str]:
         after = f"{c['after_faults']} (resumed)" if c.get("resumed") else c["after_faults"]
         if c.get("skipped"):
             duplicates = c.get("duplicates")
-            lines.append(f"| {after} | {'' if produced is None else f'{produced:,}'} | "
-                         f"skipped: {c['skipped']} | | "
-                         f"{'' if duplicates is None else duplicates} | | | | | "
-                         f"{'False' if duplicates else ''} |")
+            cells = [str(after), "" if produced is None else f"{produced:,}",
+                     f"skipped: {c['skipped']}", "", "" if duplicates is None else str(duplicates),
+                     "", "", "", "", "False" if duplicates else ""]
+            lines.append(("| " + " | ".join(cells) + " |").replace("  ", " "))
             continue
         lines.append(
             f"| {after} | {'' if produced is None else f'{produced:,}'} | "
