@@ -89,7 +89,7 @@ def check_table(summary: dict[str, Any]) -> list[str]:
             cells = [str(after), "" if produced is None else f"{produced:,}",
                      f"skipped: {c['skipped']}", "", "" if duplicates is None else str(duplicates),
                      "", "", "", "", "False" if duplicates else ""]
-            lines.append(("| " + " | ".join(cells) + " |").replace("  ", " "))
+            lines.append("|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|")
             continue
         lines.append(
             f"| {after} | {'' if produced is None else f'{produced:,}'} | "
