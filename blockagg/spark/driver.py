@@ -101,6 +101,13 @@ class BatchSummary:
     commits: int = 0
     seconds: float = 0.0
     max_task_seconds: float = 0.0
+    task_seconds: float = 0.0
+    """Summed over the batch's tasks: against ``seconds`` x task slots, what Spark
+    itself took; ``commit_seconds`` and ``insert_seconds`` (each insert's own time,
+    summed, so above the task's wall time when inserts run concurrently) say where
+    the tasks' time went."""
+    commit_seconds: float = 0.0
+    insert_seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
 
@@ -116,6 +123,9 @@ class BatchSummary:
         self.skipped += int(bool(rep["skipped"]))
         self.commits += int(rep["commits"])
         self.max_task_seconds = max(self.max_task_seconds, float(rep["seconds"]))
+        self.task_seconds += float(rep["seconds"])
+        self.commit_seconds += sum(rep.get("commit_seconds", ()))
+        self.insert_seconds += sum(s for _, s in rep.get("insert_seconds", ()))
         if rep.get("warning"):
             self.warnings.append(f"{rep['topic']}[{rep['partition']}]: {rep['warning']}")
 
@@ -562,6 +572,9 @@ class Driver:
             dead_letters=summary.dead_letters, skipped=summary.skipped,
             commits=summary.commits, seconds=round(summary.seconds, 3),
             max_task_seconds=round(summary.max_task_seconds, 3),
+            task_seconds=round(summary.task_seconds, 3),
+            commit_seconds=round(summary.commit_seconds, 3),
+            insert_seconds=round(summary.insert_seconds, 3),
         )
 
     # ------------------------------------------------------------------ query
