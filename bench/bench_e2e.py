@@ -44,7 +44,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -52,7 +54,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from bench.bench_limits import Servers, append_section
 from bench.workload import (
@@ -401,7 +403,28 @@ port = 0
         return {"mode": mode, "probes": len(sent), "seen": len(lat), "rate_rows_s": rate,
                 "p50_s": lat[len(lat) // 2], "p99_s": lat[min(len(lat) - 1,
                                                               int(len(lat) * 0.99))],
-                "max_s": lat[-1], "seconds": round(time.monotonic() - started, 1)}
+                "max_s": lat[-1], "seconds": round(time.monotonic() - started, 1),
+                "batches": batch_times(self.folder / f"{tag}.log")}
+
+
+BATCH_TIMES: Final = ("seconds", "max_task_seconds", "task_seconds", "commit_seconds",
+                      "insert_seconds")
+
+
+def batch_times(log: Path) -> dict[str, list[float]]:
+    """Per field of the job's batch line (:data:`BATCH_TIMES`), median and max over the
+    micro-batches after the first (which starts the workers and fills the pipeline):
+    where a streaming batch's time went."""
+    runs: dict[str, list[float]] = {k: [] for k in BATCH_TIMES}
+    text = log.read_text(errors="replace") if log.exists() else ""
+    for m in re.finditer(r"blockagg\.job: batch kind=\S+ batch=(\d+) ([^\n]*)", text):
+        if int(m.group(1)) == 0:
+            continue
+        fields = dict(re.findall(r"(\w+)=([0-9.]+)(?:\s|$)", m.group(2)))
+        for key in BATCH_TIMES:
+            if key in fields:
+                runs[key].append(float(fields[key]))
+    return {k: [round(statistics.median(v), 2), round(max(v), 2)] for k, v in runs.items() if v}
 
 
 def top_functions(path: Path, n: int) -> list[str]:
