@@ -264,6 +264,12 @@ class WriterConfig:
     replay_across_alter: str = "refuse"
     """``clickhouse.replay_across_alter``: a re-send after an ALTER that the table's
     coordinates can't settle is refused, inserted or skipped."""
+    earlier_attempt_wait_s: float = 360.0
+    """How long the re-send check waits, in place, for an earlier attempt of the block
+    still running on a replica before it gives up (:class:`Unsettled`, retried). Such
+    a query ends at the latest when the server's ``receive_timeout`` (300 s by
+    default) passes without data from a stalled client, or its quorum wait ends;
+    failing the attempt sooner only makes Spark retry the task into the same wait."""
     ping_after_idle_s: float = 5.0
     """clickhouse-driver pings the server before every query; a connection that
     carried a query less than this many seconds ago skips the ping (0: always ping).
@@ -825,7 +831,7 @@ class ClickHouseBlockWriter:
             log.warning("block %s (%s) sent again although %s: replay_across_alter = %r",
                         where, kind, risk, choice)
             return choice == "skip"
-        running = self._still_running(block_query_id(block))
+        running = self._wait_for_earlier_attempt(block_query_id(block), where)
         if running:
             raise Unsettled(f"block {where}: {risk}; an earlier attempt of it is still "
                             f"running on {', '.join(running)}, so its rows can't be "
@@ -854,6 +860,23 @@ class ClickHouseBlockWriter:
                                                         data.rows, coordinates))
         raise Unsettled(f"block {where}: {risk}; its rows in each replica: {counts} of "
                         f"{data.rows} (a replica down or a copy still replicating)")
+
+    def _wait_for_earlier_attempt(self, query_id: str, where: str) -> list[str]:
+        """:meth:`_still_running`, polled every second until no replica runs the
+        query or ``earlier_attempt_wait_s`` passed; the replicas still running it."""
+        began = self._clock()
+        next_warning = 0.0
+        while True:
+            running = self._still_running(query_id)
+            waited = self._clock() - began
+            if not running or waited >= self.config.earlier_attempt_wait_s:
+                return running
+            if waited >= next_warning:
+                log.warning("block %s: an earlier attempt of it is still running on %s "
+                            "(%.0f s); its rows are counted once it ends", where,
+                            ", ".join(running), waited)
+                next_warning += 30.0
+            self._sleep(1.0)
 
     def _still_running(self, query_id: str) -> list[str]:
         """The replicas where an attempt of the block with ``query_id`` is still

@@ -7,6 +7,7 @@ tests/integration/test_replay_across_alter.py."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import pytest
@@ -169,14 +170,17 @@ def test_rows_are_counted_only_once_no_earlier_attempt_is_still_running(
         sample: Descriptor) -> None:
     """An earlier attempt still running on a replica would count 0 rows, and if it
     then commits, the re-sent copy (hashed under the new columns) is kept beside it
-    (found by review). Every attempt carries the block's token as its query id, so
-    the check waits for it; once it ended and its rows are there, nothing is sent."""
+    (found by review; the long run then met it: an executor stalled mid-insert kept
+    its query open on the server for 4.5 min). Every attempt carries the block's token
+    as its query id, so the check waits for it, in place, up to
+    ``earlier_attempt_wait_s``; once it ended and its rows are there, nothing is sent."""
     zk = ZooKeeper(r1=60)
-    replicas = Replicas(zk, {"a": 3, "b": 3}, running={"b": [1, 1]})
+    replicas = Replicas(zk, {"a": 3, "b": 3}, running={"b": [1] * 20})
     assert resend(sample, zk, {}, replicas=replicas) == []
+    assert replicas.running["b"] == []  # waited in place, polling, until it ended
     replicas = Replicas(zk, {"a": 3, "b": 3}, running={"b": [1, 1, 1]})
     with pytest.raises(InsertFailed, match="still running on b:9000"):
-        resend(sample, zk, {}, replicas=replicas)
+        resend(sample, zk, {}, replicas=replicas, earlier_attempt_wait_s=0.0)
     replicas = Replicas(zk, {"a": 0, "b": 0})
     assert len(resend(sample, zk, {}, replicas=replicas)) == 1
     assert replicas.query_ids == ["blockagg:top:0:db.t:10-11"]
@@ -264,7 +268,7 @@ def test_a_late_first_attempt_is_checked_like_a_resend(sample: Descriptor) -> No
     def first_send(elapsed: float) -> list[Any]:
         log: list[Any] = []
         writer = make_writer({}, log, insert_quorum=2, max_attempts=3)
-        ticks = iter([0.0, elapsed])
+        ticks = itertools.chain([0.0], itertools.repeat(elapsed))
         writer._clock = lambda: next(ticks)
         Replicas(ZooKeeper(r1=60), {"a": 3, "b": 3}).patch(writer)
         writer.insert(block, batch)
