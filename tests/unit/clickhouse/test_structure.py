@@ -170,8 +170,8 @@ def test_rows_are_counted_only_once_no_earlier_attempt_is_still_running(
         sample: Descriptor) -> None:
     """An earlier attempt still running on a replica would count 0 rows, and if it
     then commits, the re-sent copy (hashed under the new columns) is kept beside it
-    (found by review; the long run then met it: an executor stalled mid-insert kept
-    its query open on the server for 4.5 min). Every attempt carries the block's token
+    (found by review; the long run then met it: a task stopped mid-insert kept its
+    query open on the server for 4.5 min). Every attempt carries the block's token
     as its query id, so the check waits for it, in place, up to
     ``earlier_attempt_wait_s``; once it ended and its rows are there, nothing is sent."""
     zk = ZooKeeper(r1=60)
