@@ -94,9 +94,9 @@ RETRIABLE_CODES: Final = frozenset({
     202,  # TOO_MANY_SIMULTANEOUS_QUERIES
     203,  # NO_FREE_CONNECTION
     209,  # SOCKET_TIMEOUT
+    210,  # NETWORK_ERROR
     216,  # QUERY_WITH_SAME_ID_IS_ALREADY_RUNNING (an earlier attempt of the block, see
           # block_query_id)
-    210,  # NETWORK_ERROR
     225,  # NO_ZOOKEEPER
     236,  # ABORTED
     241,  # MEMORY_LIMIT_EXCEEDED
