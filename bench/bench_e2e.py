@@ -32,8 +32,10 @@ in ClickHouse -> all rows visible; JVM start-up excluded, reported apart), CPU s
 per million rows of the job's process tree (driver, JVM, Python workers; sampled from
 ``/proc`` every 0.5 s), over the whole run and over the processing interval alone
 (start-up excluded), and of the servers, peak RSS of the job's process tree. Then a
-latency run: the job streaming, a producer at ``--latency-rate`` rows/s for
-``--latency-seconds``, and a probe row per 100 ms whose produce time is compared with
+latency run: the job streaming, a producer at ``--latency-rate`` rows/s, measured for
+``--latency-seconds`` once the job has streamed ``--latency-warmup`` seconds past its
+first visible probe (so the backlog of its start-up is not what is measured), and a
+probe row per 100 ms whose produce time is compared with
 the moment a poller (every 50 ms) first sees it in ClickHouse: p50/p99; with
 ``--latency-modes`` and ``--latency-repeat``, each mode's streaming run repeated in ABBA
 order and compared by the median of its p99s.
@@ -351,23 +353,30 @@ port = 0
                         seen.setdefault(int(i), time.time())
                 stop.wait(0.05)
 
-        # wait until the job runs (first probe visible), then measure
+        # the job runs once its first probe is visible; it has worked off its start-up
+        # backlog --latency-warmup seconds later; then measure
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         tail = self.rows.pool[0].tail
         next_id = 10**12
         probe = 0
         warm_deadline = time.monotonic() + 300
+        running_from: float | None = None
         measured_from = None
+        log = self.folder / f"{tag}.log"
+        log_offset = 0
         started = time.monotonic()
         rate = self.args.latency_rate
         per_tick = max(1, int(rate * 0.1 / self.args.rows_per_message))
         m = 0
         while True:
             now = time.monotonic()
+            if running_from is None and (seen or now > warm_deadline):
+                running_from = now
             if measured_from is None:
-                if seen or now > warm_deadline:
+                if running_from is not None and now - running_from >= self.args.latency_warmup:
                     measured_from = now
+                    log_offset = log.stat().st_size if log.exists() else 0
                     sent.clear()
                     seen.clear()
             elif now - measured_from > self.args.latency_seconds:
@@ -404,19 +413,24 @@ port = 0
                 "p50_s": lat[len(lat) // 2], "p99_s": lat[min(len(lat) - 1,
                                                               int(len(lat) * 0.99))],
                 "max_s": lat[-1], "seconds": round(time.monotonic() - started, 1),
-                "batches": batch_times(self.folder / f"{tag}.log")}
+                "warmup_s": self.args.latency_warmup, "batches": batch_times(log, log_offset)}
 
 
 BATCH_TIMES: Final = ("seconds", "max_task_seconds", "task_seconds", "commit_seconds",
                       "insert_seconds")
 
 
-def batch_times(log: Path) -> dict[str, list[float]]:
+def batch_times(log: Path, offset: int = 0) -> dict[str, list[float]]:
     """Per field of the job's batch line (:data:`BATCH_TIMES`), median and max over the
-    micro-batches after the first (which starts the workers and fills the pipeline):
+    micro-batches logged from byte ``offset`` of the job's log on (where the measured
+    window began), the first micro-batch (which starts the workers) never counted:
     where a streaming batch's time went."""
     runs: dict[str, list[float]] = {k: [] for k in BATCH_TIMES}
-    text = log.read_text(errors="replace") if log.exists() else ""
+    text = ""
+    if log.exists():
+        with log.open("rb") as f:
+            f.seek(offset)
+            text = f.read().decode(errors="replace")
     for m in re.finditer(r"blockagg\.job: batch kind=\S+ batch=(\d+) ([^\n]*)", text):
         if int(m.group(1)) == 0:
             continue
@@ -512,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-offsets", type=int, default=0)
     ap.add_argument("--latency-rate", type=float, default=20_000)
     ap.add_argument("--latency-seconds", type=float, default=30)
+    ap.add_argument("--latency-warmup", type=float, default=30,
+                    help="seconds the producer runs after the job's first probe is visible "
+                         "before the measured window starts (the start-up backlog drains)")
     ap.add_argument("--latency-modes", default="exactly_once",
                     help="comma list of modes whose streaming latency is measured")
     ap.add_argument("--latency-repeat", type=int, default=1,

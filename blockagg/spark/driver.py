@@ -56,6 +56,7 @@ from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.core.protocol import undecodable_commit
 from blockagg.aggregator.exceptions import ConfigError
+from blockagg.aggregator.kafka.hanging import read_or_diagnose
 from blockagg.spark.components import Components, DefaultComponents
 from blockagg.spark.exceptions import BatchTimedOut, JobError, StoppedBeforeBatch, refusal_in
 from blockagg.spark.idle import IdleRefresher, broker_retention_minutes, check_idle_interval
@@ -338,7 +339,10 @@ class Driver:
                     f"no partition found for the configured topics "
                     f"({', '.join(t.label for t in self.config.topics)}): create them first"
                 )
-            committed = read_committed(consumer, partitions)
+            committed = read_or_diagnose(
+                lambda: read_committed(consumer, partitions),
+                self.config.kafka.librdkafka_config(), self.config.job.metadata_group_id,
+                partitions)
             marks = watermarks(consumer, partitions)
         finally:
             consumer.close()

@@ -14,8 +14,9 @@ from click.testing import CliRunner
 from confluent_kafka import Producer, TopicPartition
 
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
-from blockagg.aggregator.kafka.exceptions import AttemptFenced
+from blockagg.aggregator.kafka.exceptions import AttemptFenced, MetadataUnstable
 from blockagg.aggregator.kafka.fencing import FencedAttempt
+from blockagg.aggregator.kafka.hanging import offsets_partition
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
 from blockagg.verifier.cli import cli
 from blockagg.verifier.history import HistoryReader
@@ -99,3 +100,34 @@ def test_arv_verify_reads_transactional_commits_and_skips_aborted_ones(
     assert seen == [(m.resume, encode(m)) for m in [*history, after]]
     last = store.committed(data_topic, 0)
     assert last is not None and last.offset == 300
+
+
+def test_a_transaction_on_the_group_that_does_not_end_is_named_with_its_remedy(
+        kafka_bootstrap: str, data_topic: str) -> None:
+    """A transactional offset commit on the metadata group held open (as a hanging one
+    is, forever): a stable read is refused as ``MetadataUnstable`` naming the group's
+    ``__consumer_offsets`` partition and the remedy, not a bare "Timed out"; once the
+    transaction is aborted, the same store reads again."""
+    group = f"blockagg-hang-{uuid.uuid4().hex[:10]}"
+    store = KafkaMetadataStore({"bootstrap.servers": kafka_bootstrap, "group.id": group},
+                               timeout=5.0, retries=1)
+    producer = Producer({"bootstrap.servers": kafka_bootstrap,
+                         "transactional.id": f"hang-{uuid.uuid4().hex[:10]}",
+                         "transaction.timeout.ms": 120_000})
+    try:
+        producer.init_transactions(30)
+        producer.begin_transaction()
+        producer.send_offsets_to_transaction([TopicPartition(data_topic, 0, 5)],
+                                             store.group_metadata(), 30)
+        with pytest.raises(MetadataUnstable) as info:
+            store.committed(data_topic, 0)
+        text = str(info.value)
+        offsets_topic = Producer({"bootstrap.servers": kafka_bootstrap}).list_topics(
+            "__consumer_offsets", timeout=30).topics["__consumer_offsets"]
+        where = offsets_partition(group, len(offsets_topic.partitions))
+        assert f"hanging transaction in __consumer_offsets-{where}" in text
+        assert group in text and "kafka-transactions.sh find-hanging" in text
+        producer.abort_transaction(30)
+        assert store.committed(data_topic, 0) is None
+    finally:
+        store.close()

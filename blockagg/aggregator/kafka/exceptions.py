@@ -18,6 +18,12 @@ class CommittedReadError(KafkaAdapterError):
     """The committed offset and metadata of a partition could not be read."""
 
 
+class MetadataUnstable(CommittedReadError):
+    """A transactional offset commit on the metadata group never ended (a hanging
+    transaction, ``kafka.hanging``): no read of the group's stable offsets succeeds until
+    an operator aborts it."""
+
+
 class OffsetMetadataTooLarge(MetadataCommitError, MetadataTooLarge):
     """The broker rejected the metadata as longer than its ``offset.metadata.max.bytes``."""
 

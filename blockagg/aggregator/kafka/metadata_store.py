@@ -26,6 +26,7 @@ from blockagg.aggregator.kafka.exceptions import (
     MetadataCommitError,
     OffsetMetadataTooLarge,
 )
+from blockagg.aggregator.kafka.hanging import Diagnose, read_or_diagnose
 
 RETRIABLE_CODES: Final = frozenset(
     {
@@ -77,7 +78,10 @@ class KafkaMetadataStore:
 
     ``config`` is passed to the consumer as is (``bootstrap.servers``, ``security.*``,
     ``sasl.*``, ``ssl.*``...), and must name ``group.id``; ``enable.auto.commit`` is
-    forced off (refused if set on), since only the protocol may commit.
+    forced off (refused if set on), since only the protocol may commit. A read that
+    times out is looked at by ``diagnose`` (``hanging.unstable_read`` unless given): a
+    transaction on the group that never ends is refused at once as
+    :class:`~.exceptions.MetadataUnstable` instead of being retried.
     """
 
     def __init__(
@@ -91,6 +95,7 @@ class KafkaMetadataStore:
         consumer_factory: Callable[[dict[str, Any]], OffsetsConsumer] = Consumer,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        diagnose: Diagnose | None = None,
     ) -> None:
         if not config.get("group.id"):
             raise ConfigError(
@@ -117,6 +122,7 @@ class KafkaMetadataStore:
         self.timeout = timeout
         self._sleep = sleep
         self.clock = clock
+        self._diagnose = diagnose
         self._idle_producers: IdleProducers | None = None
 
     def _retrying(self, attempt: Callable[[], R], what: str) -> R:
@@ -140,9 +146,10 @@ class KafkaMetadataStore:
         """The partition's last commit in the group, or ``None`` if there is none."""
 
         def attempt() -> Committed | None:
-            (result,) = self._consumer.committed(
-                [TopicPartition(topic, partition)], timeout=self.timeout
-            )
+            (result,) = read_or_diagnose(
+                lambda: self._consumer.committed(
+                    [TopicPartition(topic, partition)], timeout=self.timeout),
+                self.settings, self.group_id, [(topic, partition)], diagnose=self._diagnose)
             if result.error is not None:
                 raise KafkaException(result.error)
             if result.offset < _NO_OFFSET:

@@ -138,7 +138,8 @@ def test_a_long_retry_names_what_it_waits_for_at_warn_rate_limited(
 
     store = KafkaMetadataStore({"bootstrap.servers": "b:9092", "group.id": "g"},
                                consumer_factory=lambda c: consumer, sleep=sleep,
-                               clock=lambda: now[0], retries=8, backoff=0.1)
+                               clock=lambda: now[0], retries=8, backoff=0.1,
+                               diagnose=lambda *args, **kwargs: None)
     with caplog.at_level("WARNING", logger="blockagg.metadata"):
         assert store.committed("events", 3) is None
     lines = [r for r in caplog.records if r.name == "blockagg.metadata"]
