@@ -47,6 +47,10 @@ from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore, _error_
 
 log = logs.get("metadata")
 
+TRANSACTION_TIMEOUT_MS: Final = 10_000
+"""A commit transaction's ``transaction.timeout.ms``: the longest an attempt stalled in a
+commit keeps it open before the coordinator aborts it."""
+
 HUNG_CALL_GRACE_S: Final = 15.0
 """How long past the timeout it was given a transactional call of librdkafka may take
 before the attempt stops waiting for it (:func:`within`)."""
@@ -167,7 +171,7 @@ class FencedAttempt:
         topic: str,
         partition: int,
         *,
-        transaction_timeout_ms: int = 10_000,
+        transaction_timeout_ms: int = TRANSACTION_TIMEOUT_MS,
         producer_factory: Callable[[dict[str, Any]], TransactionalProducer] = Producer,
         retries: int = 8,
         backoff: float = 0.1,

@@ -5,7 +5,8 @@ committed offsets asks for stable offsets (``isolation.level=read_committed``): 
 transaction holding offsets for the group is open, the broker answers
 ``UNSTABLE_OFFSET_COMMIT`` and librdkafka retries until its timeout ("Failed to get
 committed offsets: Local: Timed out"). A transaction of this job's ends within its
-``transaction.timeout.ms`` (10 s), by its commit, its abort or the coordinator's abort.
+``transaction.timeout.ms`` (``fencing.TRANSACTION_TIMEOUT_MS``), by its commit, its
+abort or the coordinator's abort.
 
 One that does not end is a *hanging* transaction: its transactional offset commit sits
 in ``__consumer_offsets`` with no marker after it, while its coordinator holds it
@@ -66,6 +67,8 @@ def unstable_read(
     too (Kafka is unreachable or slow: a different problem, reported as it was)."""
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+    from blockagg.aggregator.kafka.fencing import TRANSACTION_TIMEOUT_MS
+
     settings = {k: v for k, v in config.items() if k != "isolation.level"}
     settings.update({"group.id": group, "enable.auto.commit": False,
                      "isolation.level": "read_uncommitted"})
@@ -95,7 +98,8 @@ def unstable_read(
         f"the committed offsets of metadata group {group!r} cannot be read as stable: "
         f"a read with isolation.level=read_committed timed out after {waited:.0f} s while "
         "a plain read answers at once, so a transactional offset commit on the group has "
-        "not ended. blockagg's own transactions end within 10 s; one that does not is a "
+        f"not ended. blockagg's own transactions end within {TRANSACTION_TIMEOUT_MS / 1000:g} "
+        "s; one that does not is a "
         f"hanging transaction in {where}, which Kafka leaves when it completes a "
         "transaction without writing its marker (after a broker restart its log says "
         "\"Couldn't find leader endpoint ... likely deleted\"). No client can end it; "
