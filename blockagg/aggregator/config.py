@@ -301,6 +301,11 @@ class ClickHouseConfig:
     Kafka coordinate columns to tell whether it landed: ``refuse`` (stop, nothing
     sent), ``insert`` (risk a duplicate) or ``skip`` (risk a loss). For one restart,
     after checking the table by hand (docs/schemas.md)."""
+    expired_replay: str = "refuse"
+    """What to do with a replay block whose first attempt may be older than its table's
+    ``replicated_deduplication_window_seconds``, when the table has no Kafka
+    coordinate columns to tell whether it landed: ``refuse``, ``insert`` or ``skip``,
+    as ``replay_across_alter`` (docs/running.md)."""
 
     def __repr__(self) -> str:
         return (
@@ -314,7 +319,8 @@ class ClickHouseConfig:
             f"ping_after_idle={self.ping_after_idle}, secure={self.secure}, verify={self.verify}, "
             f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r}, "
             f"allow_small_dedup_window={self.allow_small_dedup_window}, "
-            f"replay_across_alter={self.replay_across_alter!r})"
+            f"replay_across_alter={self.replay_across_alter!r}, "
+            f"expired_replay={self.expired_replay!r})"
         )
 
 
@@ -896,6 +902,7 @@ def from_dict(
         allow_small_dedup_window=ch_t.take("allow_small_dedup_window", _bool, False),
         replay_across_alter=ch_t.take("replay_across_alter", _one_of(REPLAY_ACROSS_ALTER),
                                       "refuse"),
+        expired_replay=ch_t.take("expired_replay", _one_of(REPLAY_ACROSS_ALTER), "refuse"),
     )
     ch_t.done()
     for topic in topics:

@@ -763,6 +763,7 @@ REFUSALS: dict[str, str] = {
     "PinsMismatch": "pins_mismatch",
     # refused by the writer before a re-send (aggregator.clickhouse.structure)
     "ReplayAcrossAlter": "replay_across_alter",
+    "ReplayBeyondDedupAge": "replay_beyond_dedup_age",
 }
 
 

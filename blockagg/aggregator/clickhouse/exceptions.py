@@ -114,6 +114,13 @@ class ReplayAcrossAlter(ClickHouseError):
     sent (``aggregator.clickhouse.structure``)."""
 
 
+class ReplayBeyondDedupAge(ClickHouseError):
+    """A replay block's first attempt may be older than the table's
+    ``replicated_deduplication_window_seconds``, so the server may no longer recognise
+    it, and the table has no Kafka coordinate columns to tell whether it landed.
+    Nothing was sent."""
+
+
 class ClickHouseUnreachable(ClickHouseError):
     """A replica did not accept a connection (down, wrong host or port, firewall)."""
 
