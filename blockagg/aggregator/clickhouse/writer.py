@@ -904,7 +904,12 @@ class ClickHouseBlockWriter:
             except Exception:
                 self._drop(replica)
                 counts.append(None)
-        full = sum(c == data.rows for c in counts)
+        full = sum(c is not None and c >= data.rows for c in counts)
+        if any(c is not None and c > data.rows for c in counts):
+            log.error("block %s (%s): %s, and some replica holds more than its %d rows "
+                      "(rows in its range per replica: %s): stored more than once already; "
+                      "not sent again. Check with arv audit", where, kind, risk, data.rows,
+                      counts)
         if full >= max(1, self.config.insert_quorum):
             log.info("block %s (%s) not sent again: %s, and its %d rows are stored "
                      "(rows in its range per replica: %s)", where, kind, risk, data.rows, counts)
