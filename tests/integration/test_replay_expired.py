@@ -85,6 +85,6 @@ def test_an_expired_replay_without_coordinates_is_refused_and_sends_nothing(
     sent_at = int(time.time()) - 120
     writer.insert(first, batch)
     with pytest.raises(ReplayBeyondDedupAge,
-                       match="replicated_deduplication_window_seconds = 1.*Nothing was sent"):
+                       match=r"replicated_deduplication_window_seconds = 1.*Nothing was sent"):
         writer.insert(dataclasses.replace(first, replay=True, since_s=sent_at), batch)
     assert _counts(ch_replicas, table) == [20, 20]
