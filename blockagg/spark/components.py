@@ -174,6 +174,7 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
         dead_letter_table=config.dead_letters.table,
         extra_settings=dict(ch.settings),
         replay_across_alter=ch.replay_across_alter,
+        allow_without_coordinates=frozenset(ch.allow_tables_without_coordinates),
     ))
 
 
