@@ -179,6 +179,7 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
         extra_settings=dict(ch.settings),
         replay_across_alter=ch.replay_across_alter,
         expired_replay=ch.expired_replay,
+        allow_without_coordinates=frozenset(ch.allow_tables_without_coordinates),
     ))
 
 

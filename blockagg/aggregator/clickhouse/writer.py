@@ -49,6 +49,7 @@ from blockagg.aggregator.clickhouse.dedup_window import DedupNeed, judge_window
 from blockagg.aggregator.clickhouse.exceptions import (
     AlterNotApplied,
     ClickHouseError,
+    CoordinatesMissing,
     DedupModeMismatch,
     DedupNotConfigured,
     InsertFailed,
@@ -273,6 +274,9 @@ class WriterConfig:
     expired_replay: str = "refuse"
     """``clickhouse.expired_replay``: a replay older than the table's deduplication age
     that the table's coordinates can't settle is refused, inserted or skipped."""
+    allow_without_coordinates: frozenset[str] = frozenset()
+    """``clickhouse.allow_tables_without_coordinates``: tables accepted without the
+    coordinate columns on a content-hash server (:meth:`ClickHouseBlockWriter.check_tables`)."""
     earlier_attempt_wait_s: float = 360.0
     """How long the re-send check waits, in place, for an earlier attempt of the block
     still running on a replica before it gives up (:class:`Unsettled`, retried). Such
@@ -481,9 +485,10 @@ class ClickHouseBlockWriter:
         has no ``non_replicated_deduplication_window`` > 0, or when the user's
         profile sets ``insert_deduplicate = 0``; :class:`DedupWindowTooSmall` when
         the window is below ``need`` (``aggregator.clickhouse.dedup_window``; a
-        warning with ``allow_small_window``). Warns when a table lacks the
-        Kafka-coordinate columns (a new block equal to a recent one would be
-        dropped by content-hash deduplication).
+        warning with ``allow_small_window``); :class:`CoordinatesMissing` when a table
+        lacks the Kafka-coordinate columns on a content-hash server
+        (:meth:`_judge_coordinates`; a warning for the tables
+        ``allow_without_coordinates`` lists, and on token servers).
         """
         warnings: list[str] = []
         profile = self.query("SELECT value FROM system.settings "
@@ -527,17 +532,43 @@ class ClickHouseBlockWriter:
                 if warning is not None:
                     warnings.append(warning)
             if not info.coordinates and table != self.config.dead_letter_table:
-                missing = ", ".join(c for c in COORDINATE_COLUMNS
-                                    if c not in {col.name for col in info.columns})
-                hint = ("" if self.supports_token else
-                        " (this server has no insert_deduplication_token)")
-                warnings.append(
-                    f"table {table} has no {missing} column(s): a new block whose rows equal "
-                    "a recent block's would be dropped by content-hash deduplication"
-                    f"{hint}; add _topic String, _partition UInt32, _offset UInt64")
+                warning = self._judge_coordinates(info)
+                if warning is not None:
+                    warnings.append(warning)
         for w in warnings:
             log.warning("%s", w)
         return warnings
+
+    def _judge_coordinates(self, info: TableInfo) -> str | None:
+        """A table without ``_topic``, ``_partition``, ``_offset``: refused on a server
+        that deduplicates by content hash (invariant 1: two different blocks with equal
+        rows, e.g. the same event sent twice at different offsets, or a recreated topic
+        repeating old payloads, hash alike, and the server drops the second as a retry:
+        lost), unless ``allow_without_coordinates`` lists it (then a warning). With
+        ``insert_deduplication_token`` the token names topic, partition and offsets, so
+        equal rows never merge; only ``arv audit`` and the re-send check after an ALTER
+        miss the columns there (a warning)."""
+        table = info.table
+        missing = ", ".join(c for c in COORDINATE_COLUMNS
+                            if c not in {col.name for col in info.columns})
+        add = "add _topic String, _partition UInt32, _offset UInt64"
+        if self.supports_token:
+            return (f"table {table} has no {missing} column(s): arv audit cannot check it "
+                    "(deduplication is safe here: the server takes "
+                    f"insert_deduplication_token); {add}")
+        version = ".".join(map(str, self.server_version))
+        if table in self.config.allow_without_coordinates:
+            return (f"table {table} has no {missing} column(s) on ClickHouse {version} "
+                    "(content-hash deduplication): a new block whose rows equal a recent "
+                    "block's is dropped as a retry and lost; accepted by "
+                    f"clickhouse.allow_tables_without_coordinates; {add}")
+        raise CoordinatesMissing(
+            f"table {table} has no {missing} column(s): ClickHouse {version} deduplicates "
+            "by content hash (no insert_deduplication_token), so a new block whose rows "
+            "equal a recent block's would be dropped as a retry and its messages lost. "
+            f"Fix: ALTER TABLE {table} ADD COLUMN _topic String, ADD COLUMN _partition "
+            "UInt32, ADD COLUMN _offset UInt64, or accept the loss "
+            f"with clickhouse.allow_tables_without_coordinates = [\"{table}\"]")
 
     def _merge_tree_setting(self, name: str, default: int) -> int | None:
         try:
