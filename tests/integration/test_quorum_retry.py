@@ -1,0 +1,83 @@
+"""Issue 25, "also reported": on 18.16 a deduplicated retry may return success before
+``insert_quorum`` is met. On the real 18.16 replicas it does not: the first attempt
+times out waiting for the quorum (code 319), and every later attempt of the block, a
+retry or a replay, on either replica, is refused (code 286, "Quorum for previous
+write has not been satisfied yet") until the lagging replica holds the part, because
+18.16 checks ``/quorum/status`` before it writes or deduplicates anything. The
+writer's success therefore still means the quorum holds the block."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from blockagg.aggregator.clickhouse.exceptions import QuorumUnsatisfied
+from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
+from tests.integration.test_clickhouse_writer import COLUMNS_1816, writer_for
+from tests.integration.test_replay_across_alter import _batch_and_blocks, _table
+
+pytestmark = pytest.mark.integration
+
+
+def _rows_now(ch_replicas: list[Any], table: str) -> list[int]:
+    """Each replica's row count as it is (no SYNC REPLICA: what a lost disk would leave)."""
+    return [int(c.execute(f"SELECT count() FROM {table}")[0][0]) for c in ch_replicas]
+
+
+def _attempt_codes(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The server's message for each failed attempt the writer logged."""
+    return [r.getMessage().split("): ", 1)[1] for r in caplog.records
+            if "failed (attempt" in r.getMessage()]
+
+
+def test_a_retry_after_a_quorum_timeout_succeeds_only_once_the_quorum_holds_the_block(
+        stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str,
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    table = _table(ch_replicas, ch_database, "quorum_retry", COLUMNS_1816)
+    writer = writer_for(stack_env, insert_quorum=2, insert_quorum_timeout_ms=1500,
+                        max_attempts=4)
+    batch, block, _ = _batch_and_blocks(writer, table, tmp_path)
+    caplog.set_level(logging.WARNING, logger="blockagg.aggregator.clickhouse.writer")
+    ch_replicas[1].execute(f"SYSTEM STOP FETCHES {table}")
+    try:
+        # Attempt 1 stores the part on r1 and times out waiting for r2; attempts 2-4
+        # (the writer's retries, on r2 then r1 again) are refused, not deduplicated.
+        with pytest.raises(QuorumUnsatisfied) as info:
+            writer.insert(block, batch)
+        codes = _attempt_codes(caplog)
+        assert "Unknown status, client must retry" in codes[0], codes  # code 319
+        assert "Timeout while waiting for quorum" in codes[0], codes
+        assert all("Quorum for previous write has not been satisfied yet" in c
+                   for c in codes[1:]) and len(codes) == 4, codes
+        assert info.value.code == 286
+        assert "The replica that does not catch up" in str(info.value)
+        assert _rows_now(ch_replicas, table) == [20, 0]
+
+        # A replay of the block by a later run (a fresh writer) fares the same.
+        caplog.clear()
+        replay = dataclasses.replace(block, replay=True)
+        with pytest.raises(QuorumUnsatisfied):
+            writer_for(stack_env, insert_quorum=2, insert_quorum_timeout_ms=1500,
+                       max_attempts=3).insert(replay, batch)
+        assert all("Quorum for previous write" in c for c in _attempt_codes(caplog))
+        assert _rows_now(ch_replicas, table) == [20, 0]
+    finally:
+        ch_replicas[1].execute(f"SYSTEM START FETCHES {table}")
+
+    # With fetches back, the replay is deduplicated and returns only once r2 holds the
+    # part: counted right after it returns, without waiting for replication.
+    host = stack_env["BLOCKAGG_CH_HOST"]
+    replicas = tuple(Replica(host, int(p)) for p in stack_env["BLOCKAGG_CH_PORTS"].split(","))
+    patient = ClickHouseBlockWriter(WriterConfig(
+        replicas=replicas, insert_quorum=2, insert_quorum_timeout_ms=30_000,
+        backoff_initial_s=0.2, backoff_max_s=2.0), sleep=time.sleep)
+    patient.insert(dataclasses.replace(block, replay=True), batch)
+    assert _rows_now(ch_replicas, table) == [20, 20]
+    for c in ch_replicas:
+        c.execute(f"SYSTEM SYNC REPLICA {table}")
+    assert _rows_now(ch_replicas, table) == [20, 20], "stored once on each replica"
