@@ -4,7 +4,12 @@ times out waiting for the quorum (code 319), and every later attempt of the bloc
 retry or a replay, on either replica, is refused (code 286, "Quorum for previous
 write has not been satisfied yet") until the lagging replica holds the part, because
 18.16 checks ``/quorum/status`` before it writes or deduplicates anything. The
-writer's success therefore still means the quorum holds the block."""
+writer's success therefore still means the quorum holds the block.
+
+And when the quorum fails for good (no active replica holds the part while another
+tries to fetch it, as when the replica that wrote it goes away), 18.16 marks it
+failed, removes the block's deduplication record and, when the writing replica comes
+back, detaches its copy as ``noquorum_*``: the retry is stored afresh, once."""
 
 from __future__ import annotations
 
@@ -33,6 +38,15 @@ def _attempt_codes(caplog: pytest.LogCaptureFixture) -> list[str]:
     """The server's message for each failed attempt the writer logged."""
     return [r.getMessage().split("): ", 1)[1] for r in caplog.records
             if "failed (attempt" in r.getMessage()]
+
+
+def _patient_writer(stack_env: dict[str, str]) -> ClickHouseBlockWriter:
+    """A writer that really backs off, so its retries outlast a replica catching up."""
+    host = stack_env["BLOCKAGG_CH_HOST"]
+    replicas = tuple(Replica(host, int(p)) for p in stack_env["BLOCKAGG_CH_PORTS"].split(","))
+    return ClickHouseBlockWriter(WriterConfig(
+        replicas=replicas, insert_quorum=2, insert_quorum_timeout_ms=30_000,
+        backoff_initial_s=0.2, backoff_max_s=2.0), sleep=time.sleep)
 
 
 def test_a_retry_after_a_quorum_timeout_succeeds_only_once_the_quorum_holds_the_block(
@@ -71,13 +85,57 @@ def test_a_retry_after_a_quorum_timeout_succeeds_only_once_the_quorum_holds_the_
 
     # With fetches back, the replay is deduplicated and returns only once r2 holds the
     # part: counted right after it returns, without waiting for replication.
-    host = stack_env["BLOCKAGG_CH_HOST"]
-    replicas = tuple(Replica(host, int(p)) for p in stack_env["BLOCKAGG_CH_PORTS"].split(","))
-    patient = ClickHouseBlockWriter(WriterConfig(
-        replicas=replicas, insert_quorum=2, insert_quorum_timeout_ms=30_000,
-        backoff_initial_s=0.2, backoff_max_s=2.0), sleep=time.sleep)
-    patient.insert(dataclasses.replace(block, replay=True), batch)
+    _patient_writer(stack_env).insert(dataclasses.replace(block, replay=True), batch)
     assert _rows_now(ch_replicas, table) == [20, 20]
     for c in ch_replicas:
         c.execute(f"SYSTEM SYNC REPLICA {table}")
     assert _rows_now(ch_replicas, table) == [20, 20], "stored once on each replica"
+
+
+def _quorum_pending(client: Any, database: str, name: str) -> bool:
+    """Whether the table's ``/quorum/status`` node (a quorum insert not yet on enough
+    replicas) exists, read through ``client``'s replica."""
+    path = client.execute("SELECT zookeeper_path FROM system.replicas WHERE database = %(d)s "
+                          "AND table = %(t)s", {"d": database, "t": name})[0][0]
+    return bool(client.execute(
+        "SELECT count() FROM system.zookeeper WHERE path = %(p)s AND name = 'status'",
+        {"p": f"{path}/quorum"})[0][0])
+
+
+def test_a_retry_after_a_failed_quorum_is_stored_afresh_and_once(
+        stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str,
+        tmp_path: Path) -> None:
+    """The copy on r1 whose quorum never came is not what a retry gets deduplicated
+    against once the quorum has failed: r1 leaves (its table detached: inactive, as if
+    its server were gone) while r2 tries to fetch; r2 marks the quorum failed and
+    removes the block id; r1 comes back and sets its copy aside; the retry stores the
+    block on both replicas, once."""
+    table = _table(ch_replicas, ch_database, "quorum_failed", COLUMNS_1816)
+    writer = writer_for(stack_env, insert_quorum=2, insert_quorum_timeout_ms=1500,
+                        max_attempts=2)
+    batch, block, _ = _batch_and_blocks(writer, table, tmp_path)
+    ch_replicas[1].execute(f"SYSTEM STOP FETCHES {table}")
+    detached = False
+    try:
+        with pytest.raises(QuorumUnsatisfied):
+            writer.insert(block, batch)
+        assert _rows_now(ch_replicas, table) == [20, 0]
+        ch_replicas[0].execute(f"DETACH TABLE {table}")
+        detached = True
+    finally:
+        ch_replicas[1].execute(f"SYSTEM START FETCHES {table}")
+    try:
+        deadline = time.monotonic() + 90
+        while _quorum_pending(ch_replicas[1], ch_database, "quorum_failed"):
+            assert time.monotonic() < deadline, "r2 never marked the quorum failed"
+            time.sleep(0.5)
+    finally:
+        if detached:
+            ch_replicas[0].execute(f"ATTACH TABLE {table}")
+    assert _rows_now(ch_replicas, table) == [0, 0], "r1 set its copy aside (noquorum_)"
+
+    _patient_writer(stack_env).insert(dataclasses.replace(block, replay=True), batch)
+    assert _rows_now(ch_replicas, table) == [20, 20]
+    for c in ch_replicas:
+        c.execute(f"SYSTEM SYNC REPLICA {table}")
+        assert c.execute(f"SELECT count(), uniqExact(_offset, i64) FROM {table}") == [(20, 20)]

@@ -123,9 +123,11 @@ QUORUM_CODES: Final = frozenset({
     285,  # TOO_FEW_LIVE_REPLICAS
     286,  # UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE
 })
-"""Codes that say ``insert_quorum`` can't be reached (and 159, TIMEOUT_EXCEEDED, when
-its message is about the quorum): retried, and once every attempt failed so, the
-error names the replica that does not catch up (:func:`quorum_error`)."""
+"""Codes that say ``insert_quorum`` can't be reached (and 159, TIMEOUT_EXCEEDED, or 319,
+UNKNOWN_STATUS_OF_INSERT, when its message is about the quorum: 18.16 answers 319
+"Timeout while waiting for quorum" when the part is stored but the quorum wait timed
+out): retried, and once every attempt failed so, the error names the replica that does
+not catch up (:func:`quorum_error`)."""
 
 TOKEN_MIN_VERSION: Final = (22, 2)
 """First server version with ``insert_deduplication_token``."""
@@ -1171,7 +1173,7 @@ def _runs(payloads: Sequence[Rows]) -> list[tuple[ColumnSet, int, int]]:
 
 def is_quorum_failure(code: int | None, message: str) -> bool:
     """Whether a refused insert says the quorum could not be reached."""
-    return code in QUORUM_CODES or (code == 159 and "quorum" in message.lower())
+    return code in QUORUM_CODES or (code in (159, 319) and "quorum" in message.lower())
 
 
 def is_alter_pending(code: int | None, message: str) -> bool:

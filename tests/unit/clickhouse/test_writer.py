@@ -337,6 +337,57 @@ def test_an_unreachable_quorum_names_the_lagging_replica_and_the_remedy(
     assert "Stack trace" not in text and "\n" not in text
 
 
+QUORUM_TIMEOUT_319 = ("Unknown status, client must retry. Reason: Code: 159, e.displayText() = "
+                      "DB::Exception: Timeout while waiting for quorum, e.what() = "
+                      "DB::Exception")
+"""18.16's answer to an insert whose part is stored on the replica but whose quorum wait
+timed out (tests/integration/test_quorum_retry.py)."""
+
+
+def test_a_retry_after_a_quorum_timeout_is_refused_until_the_quorum_holds_the_block(
+        sample: Descriptor) -> None:
+    """Issue 25, "also reported": what 18.16 does (tests/integration/test_quorum_retry.py)
+    and what the writer makes of it. Attempt 1 times out on the quorum (319); every
+    retry, on either replica, is refused with 286 while the lagging replica lacks the
+    part, never deduplicated into a success; so the writer fails the block with
+    QuorumUnsatisfied and returns only once an attempt is acknowledged."""
+    batch, block = sample_batch(sample)
+    script: dict[str, Any] = {
+        "a": [ch_errors.ServerException(QUORUM_TIMEOUT_319, code=319),
+              ch_errors.ServerException(QUORUM_286, code=286)],
+        "b": [ch_errors.ServerException(QUORUM_286, code=286)] * 2}
+    log: list[Any] = []
+    writer = ClickHouseBlockWriter(
+        WriterConfig(replicas=(Replica("a"), Replica("b")), insert_quorum=2, max_attempts=4),
+        lambda r: ReplicaViewClient(r, script, log), sleep=lambda s: None)
+    with pytest.raises(QuorumUnsatisfied) as info:
+        writer.insert(block, batch)
+    assert [host for host, *_ in log] == ["a", "b", "a", "b"]
+    assert info.value.code == 286 and "The replica that does not catch up: r2." in str(info.value)
+    writer.insert(block, batch)  # the lagging replica caught up: the next attempt is acknowledged
+    assert len(log) == 5
+
+
+def test_a_quorum_timeout_on_every_attempt_names_the_lagging_replica(
+        sample: Descriptor) -> None:
+    """A replica that fetches, but slower than ``insert_quorum_timeout``, fails each
+    attempt with 319 (the part stored, the quorum wait timed out) rather than 286: still
+    a quorum failure, reported with the replicas' state and the remedy."""
+    batch, block = sample_batch(sample)
+    script: dict[str, Any] = {
+        host: [ch_errors.ServerException(QUORUM_TIMEOUT_319, code=319)] * 2 for host in "ab"}
+    writer = ClickHouseBlockWriter(
+        WriterConfig(replicas=(Replica("a"), Replica("b")), insert_quorum=2, max_attempts=4),
+        lambda r: ReplicaViewClient(r, script, []), sleep=lambda s: None)
+    with pytest.raises(QuorumUnsatisfied) as info:
+        writer.insert(block, batch)
+    assert info.value.code == 319
+    assert "insert_quorum = 2 was not reached (code 319: Unknown status" in str(info.value)
+    assert is_quorum_failure(319, QUORUM_TIMEOUT_319)
+    assert not is_quorum_failure(319, "Unknown status, client must retry. Reason: "
+                                      "Connection loss")
+
+
 def test_quorum_error_names_a_replica_that_does_not_answer() -> None:
     states = [ReplicaState("a:9000", "r1"), ReplicaState("b:9000", error="NetworkError: down")]
     text = quorum_error("db.t", 2, 159, "Timeout while waiting for quorum", 6, states)
