@@ -133,6 +133,18 @@ class Replicas:
         writer._factory = make
 
 
+def _drop_coordinates(writer: Any) -> None:
+    """The writer's blocks as for a table without ``_topic/_partition/_offset``."""
+    real = writer.block_data
+
+    def without(*args: Any, **kwargs: Any) -> Any:
+        data = real(*args, **kwargs)
+        return dataclasses.replace(data, names=tuple(
+            n for n in data.names if not n.startswith("_")))
+
+    writer.block_data = without
+
+
 def resend(sample: Descriptor, zk: ZooKeeper, landed: dict[str, Any], *, coordinates: bool = True,
            quorum: int = 2, replicas: Replicas | None = None, **kw: Any) -> list[Any]:
     """Replay ``sample_batch``'s block pinned at mark 12 under content hash; the log
@@ -144,14 +156,7 @@ def resend(sample: Descriptor, zk: ZooKeeper, landed: dict[str, Any], *, coordin
     writer = make_writer({}, log, insert_quorum=quorum, max_attempts=3, **kw)
     (replicas or Replicas(zk, landed)).patch(writer)
     if not coordinates:
-        real = writer.block_data
-
-        def without(*args: Any, **kwargs: Any) -> Any:
-            data = real(*args, **kwargs)
-            return dataclasses.replace(data, names=tuple(
-                n for n in data.names if not n.startswith("_")))
-
-        writer.block_data = without  # type: ignore[method-assign]
+        _drop_coordinates(writer)
     writer.insert(block, batch)
     return log
 
@@ -324,14 +329,7 @@ def expired_replay(sample: Descriptor, landed: dict[str, Any], *, age_s: int,
     writer._wall_clock = lambda: 1_000_000.0
     Replicas(ZooKeeper(), landed).patch(writer)
     if not coordinates:
-        real = writer.block_data
-
-        def without(*args: Any, **kwargs: Any) -> Any:
-            data = real(*args, **kwargs)
-            return dataclasses.replace(data, names=tuple(
-                n for n in data.names if not n.startswith("_")))
-
-        writer.block_data = without  # type: ignore[method-assign]
+        _drop_coordinates(writer)
     writer.insert(block, batch)
     return log
 
