@@ -222,12 +222,37 @@ class RetriedAsInfo(logging.Filter):
         return True
 
 
+class ExpectedAsDebug(logging.Filter):
+    """librdkafka lines about what the job does on purpose or waits out, at DEBUG: an
+    older attempt's producer told it was fenced (a newer attempt of the partition
+    started: invariant 6 at work, logged FATAL by librdkafka), and a coordinator that
+    moved or is still loading (the client retries; a failure that matters reaches the
+    caller as an error)."""
+
+    EXPECTED: Final = ("fenced by a newer instance", "Not coordinator",
+                       "Coordinator load in progress", "COORDINATOR_LOAD_IN_PROGRESS",
+                       "NOT_COORDINATOR")
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self._logger = logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.DEBUG and any(
+                text in record.getMessage() for text in self.EXPECTED):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return self._logger.getEffectiveLevel() <= logging.DEBUG
+        return True
+
+
 def librdkafka_logger() -> logging.Logger:
     """The logger librdkafka's own lines go to (``blockagg.librdkafka``): WARNING and
     above unless the root level is DEBUG, each kind of line at most once per 30 s;
-    connection failures the client retries count as INFO (:class:`RetriedAsInfo`)."""
+    connection failures the client retries count as INFO (:class:`RetriedAsInfo`), an
+    expected fencing and moving coordinators as DEBUG (:class:`ExpectedAsDebug`)."""
     logger = logging.getLogger("blockagg.librdkafka")
     if not any(isinstance(f, RateLimit) for f in logger.filters):
+        logger.addFilter(ExpectedAsDebug(logger))
         logger.addFilter(RetriedAsInfo(logger))
         logger.addFilter(RateLimit())
     debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG

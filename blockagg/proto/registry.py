@@ -313,9 +313,9 @@ class KafkaStore:
 
         try:
             if self._watcher is None:
-                self._watcher = Consumer({**self.config,
-                                          "group.id": f"blockagg-registry-{uuid.uuid4().hex}",
-                                          "enable.auto.commit": False})
+                self._watcher = Consumer(logs.kafka_client_config({
+                    **self.config, "group.id": f"blockagg-registry-{uuid.uuid4().hex}",
+                    "enable.auto.commit": False}))
             md = self._watcher.list_topics(self.topic, timeout=self.timeout_s)
             topic = md.topics.get(self.topic)
             if topic is None or topic.error is not None:

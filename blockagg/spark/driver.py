@@ -311,7 +311,7 @@ class Driver:
 
         settings: dict[str, str | int | float | bool] = dict(
             self.config.kafka.librdkafka_config())
-        retention = broker_retention_minutes(AdminClient(settings))
+        retention = broker_retention_minutes(AdminClient(logs.kafka_client_config(settings)))
         if retention is None:
             logs.event(log, "offsets.retention.minutes unknown", level=30,
                        warning="could not describe the brokers' configuration; make sure "

@@ -221,8 +221,8 @@ class FencedAttempt:
             self._producer = kept
             self.reused = True
             return
-        self._producer = producer_factory(producer_settings(
-            store.settings, self.transactional_id, transaction_timeout_ms))
+        self._producer = producer_factory(logs.kafka_client_config(producer_settings(
+            store.settings, self.transactional_id, transaction_timeout_ms)))
         try:
             # Two metadata requests first: the first learns the brokers through the
             # bootstrap connection, the second brings up a connection to a learned one.

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from blockagg.aggregator import logs
 from blockagg.aggregator.core.metadata import incarnation_of
 from blockagg.aggregator.kafka.exceptions import KafkaAdapterError
 
@@ -39,7 +40,7 @@ class TopicIncarnations:
         if self._admin is None:
             from confluent_kafka.admin import AdminClient
 
-            self._admin = AdminClient(self.config)
+            self._admin = AdminClient(logs.kafka_client_config(self.config))
         return self._admin
 
     def cluster_id(self) -> str:

@@ -115,7 +115,7 @@ class KafkaMetadataStore:
         settings.setdefault("retry.backoff.ms", 10)
         self.group_id = str(config["group.id"])
         self.settings: Mapping[str, Any] = settings
-        self._consumer = consumer_factory(settings)
+        self._consumer = consumer_factory(logs.kafka_client_config(settings))
         self._retries = retries
         self._backoff = backoff
         self._max_backoff = max_backoff

@@ -201,6 +201,47 @@ def test_retried_connect_failures_are_info() -> None:
     assert retried.filter(_record(logging.ERROR, "FAIL", "Connect failed"))
 
 
+def test_an_expected_fencing_and_a_moving_coordinator_are_debug() -> None:
+    """Issue 26: a healthy run logged librdkafka's FATAL "fenced by a newer instance"
+    for every abandoned producer and a burst of "Not coordinator: retrying" on start."""
+    logger = logging.getLogger("blockagg.test-librdkafka-expected")
+    logger.setLevel(logging.WARNING)
+    expected = logs.ExpectedAsDebug(logger)
+    fenced = _record(logging.CRITICAL, "FATAL", "Fatal error: Broker: Producer attempted "
+                     "an operation with an old epoch: This instance has been fenced by a "
+                     "newer instance")
+    assert not expected.filter(fenced) and fenced.levelno == logging.DEBUG
+    assert not expected.filter(_record(logging.WARNING, "GETPID", "Failed to acquire "
+                                       "transactional PID from broker TxnCoordinator/1: "
+                                       "Broker: Not coordinator: retrying"))
+    assert expected.filter(_record(logging.ERROR, "AUTH", "SASL authentication failed"))
+    logger.setLevel(logging.DEBUG)
+    assert expected.filter(_record(logging.CRITICAL, "FATAL", "fenced by a newer instance"))
+
+
+def test_every_kafka_client_of_the_job_routes_its_log() -> None:
+    """The attempt's producer and the metadata store's consumer got their settings
+    without the logger, so librdkafka wrote their lines straight to stderr."""
+    from blockagg.aggregator.kafka.fencing import FencedAttempt
+    from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
+
+    seen: list[dict[str, object]] = []
+
+    def consumer(settings: dict[str, object]) -> MagicMock:
+        seen.append(settings)
+        return MagicMock()
+
+    store = KafkaMetadataStore({"bootstrap.servers": "x:1", "group.id": "g"},
+                               consumer_factory=consumer)
+
+    def producer(settings: dict[str, object]) -> MagicMock:
+        seen.append(settings)
+        return MagicMock()
+
+    FencedAttempt(store, "t", 0, producer_factory=producer)
+    assert [s.get("logger") for s in seen] == [logging.getLogger("blockagg.librdkafka")] * 2
+
+
 def test_kafka_client_config_routes_the_log() -> None:
     conf = logs.kafka_client_config({"bootstrap.servers": "x:1"})
     assert conf["logger"] is logging.getLogger("blockagg.librdkafka")
