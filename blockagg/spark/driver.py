@@ -48,9 +48,9 @@ from typing import Any
 
 from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.deadletter_rate import RateThreshold, RateWindow
-from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
+from blockagg.aggregator.clickhouse.dedup_window import DedupNeed, need_for
 from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.aggregator.config import Config
 from blockagg.aggregator.core.exceptions import MetadataDecodeError
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
@@ -228,16 +228,13 @@ class Driver:
         )
         self.lock.acquire(self.config.job.lock_timeout)
 
-    def dedup_need(self, topic: TopicConfig, partitions: Sequence[TopicPartition]
-                   ) -> DedupNeed:
-        """The deduplication window ``topic``'s shard needs: every partition of every
-        topic on the same replicas may write any of its tables and its dead-letter
-        table (``aggregator.clickhouse.dedup_window``)."""
-        shard = set(topic.replicas)
-        on_shard = sum(1 for name, _ in partitions
-                       if set(self.config.topic_for(name).replicas) == shard)
-        return DedupNeed(on_shard, self.config.job.max_offsets_per_trigger,
-                         self.config.blocks.max_rows)
+    def dedup_need(self) -> DedupNeed:
+        """The deduplication window every table needs, on every shard
+        (``aggregator.clickhouse.dedup_window``): a pure function of the
+        configuration, so the tasks judge a table the same way (:func:`spark.task.
+        live_columns`), and two topics writing one shard under different spellings of
+        its replicas are counted together by construction."""
+        return need_for(self.config)
 
     def check_tables(self, partitions: Sequence[TopicPartition]) -> None:
         """The writer's startup check on each shard, over the tables the job can route
@@ -263,7 +260,7 @@ class Driver:
         names = sorted({*current().tables().values(), dead_letter_table})
         for topic in self.config.topics:
             writer = make_writer(self.config, topic)
-            need = self.dedup_need(topic, partitions)
+            need = self.dedup_need()
             try:
                 for table in names:
                     try:
@@ -283,17 +280,17 @@ class Driver:
 
     def check_new_partitions(self, partitions: Iterable[TopicPartition]) -> None:
         """Partitions the job had not seen (a topic's partitions added, a new topic
-        matched by the pattern) raise a shard's deduplication need: judge every
-        table again before the batch reads or writes anything, so a window that no
-        longer holds refuses here as it would at start (``DedupWindowTooSmall``)."""
+        matched by the pattern) join the idle refresher's set. They leave the tables'
+        deduplication need unchanged: it bounds the blocks of a batch by its messages
+        over every partition (``aggregator.clickhouse.dedup_window``), and a table met
+        for the first time is judged by the task before its first insert
+        (:func:`spark.task.live_columns`)."""
         new = set(partitions) - self.partitions
         if not new:
             return
         self.partitions.update(new)
-        logs.event(log, "new partitions: tables checked again", level=30,
-                   partitions=",".join(f"{t}[{p}]" for t, p in sorted(new)),
-                   total=len(self.partitions))
-        self.check_tables(sorted(self.partitions))
+        logs.event(log, "new partitions", partitions=",".join(
+            f"{t}[{p}]" for t, p in sorted(new)), total=len(self.partitions))
 
     def check_idle_interval(self) -> None:
         """Refuse a ``job.idle_commit_interval`` that the brokers' offset retention

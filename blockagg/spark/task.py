@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 
 from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
+from blockagg.aggregator.clickhouse.dedup_window import need_for
 from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.metadata import (
     DEAD_LETTER_TABLE_ID,
@@ -170,15 +171,20 @@ def build_batch(
 
 def live_columns(config: Config, topic: TopicConfig, table: str) -> Any:
     """The live columns of ``table`` on ``topic``'s shard, once the table is known to
-    drop a retried block (``writer.check_tables``): raises
-    :class:`~aggregator.clickhouse.exceptions.DedupNotConfigured` otherwise, which
-    fails the task before anything of the batch is committed or inserted (the
-    driver's startup check only warns about registered tables, since the registry
-    may hold tables this job never receives), and ``TableNotFound`` refuses the batch
-    too (a dead letter must not depend on the live server). Called once per table per
-    ``[schemas] refresh_interval`` per worker (``Plans`` caches)."""
+    drop a retried block (``writer.check_tables``) for as long as a replay needs:
+    raises :class:`~aggregator.clickhouse.exceptions.DedupNotConfigured` when it does
+    not deduplicate and :class:`~aggregator.clickhouse.exceptions.DedupWindowTooSmall`
+    when its window is below the job's need (``aggregator.clickhouse.dedup_window``,
+    the driver's start-up judgement; a warning with ``clickhouse.
+    allow_small_dedup_window``), which fails the task before anything of the batch is
+    committed or inserted. So a table registered after the start is judged before its
+    first insert like one judged at start (the driver only judges the tables
+    registered then). ``TableNotFound`` refuses the batch too (a dead letter must not
+    depend on the live server). Called once per table per ``[schemas]
+    refresh_interval`` per worker (``Plans`` caches): the judgement costs nothing
+    after."""
     writer = describer(config, topic)
-    writer.check_tables([table])
+    writer.check_tables([table], need_for(config), config.clickhouse.allow_small_dedup_window)
     return writer.describe(table).columns
 
 

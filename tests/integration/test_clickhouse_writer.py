@@ -152,7 +152,7 @@ def test_failover_and_refusals(stack_env: dict[str, str], ch_replicas: list[Any]
 def test_a_window_below_the_need_is_refused_naming_table_window_and_need(
         stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str) -> None:
     """ReplicatedMergeTree with replicated_deduplication_window = 20 on the real 18.16
-    pair: 16 partitions (need 2 x 16 = 32) are refused, 8 (need 16) pass, and
+    pair: max_offsets_per_trigger 16 (need 2 x 16 = 32) is refused, 8 (need 16) passes, and
     allow_small_dedup_window turns the refusal into a warning."""
     small = f"{ch_database}.small_window"
     for c in ch_replicas:
@@ -160,13 +160,13 @@ def test_a_window_below_the_need_is_refused_naming_table_window_and_need(
                   f"_offset UInt64) ENGINE = {replicated_engine(ch_database, 'small_window')} "
                   "SETTINGS replicated_deduplication_window = 20")
     writer = writer_for(stack_env)
-    need = DedupNeed(partitions=16, max_offsets_per_trigger=None, max_rows=1000)
+    need = DedupNeed(max_offsets_per_trigger=16)
     with pytest.raises(DedupWindowTooSmall) as info:
         writer.check_tables([small], need)
     text = str(info.value)
     assert small in text and "replicated_deduplication_window = 20" in text
-    assert "32 blocks" in text and "16 partitions" in text
-    assert writer.check_tables([small], DedupNeed(8, None, 1000)) == []
+    assert "32 blocks" in text and "max_offsets_per_trigger 16" in text
+    assert writer.check_tables([small], DedupNeed(8)) == []
     [warning] = writer.check_tables([small], need, allow_small_window=True)
     assert "below the 32 blocks" in warning
 

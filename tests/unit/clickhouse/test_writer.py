@@ -231,14 +231,14 @@ def test_check_refuses_plain_mergetree() -> None:
 def test_check_accepts_window_and_warns_about_coordinates() -> None:
     script = _check_script(
         "MergeTree", "CREATE TABLE db.t ... SETTINGS non_replicated_deduplication_window = 5")
-    need = DedupNeed(partitions=4, max_offsets_per_trigger=None, max_rows=100)
+    need = DedupNeed(max_offsets_per_trigger=4)
     with pytest.raises(DedupWindowTooSmall, match=r"table db\.t: "
                        r"non_replicated_deduplication_window = 5 is below the 8 blocks"):
         make_writer(script, []).check_tables(["db.t"], need)
     warnings = make_writer(script, []).check_tables(["db.t"], need, allow_small_window=True)
     assert any("_topic" in w for w in warnings)
     assert any("= 5 is below the 8 blocks" in w for w in warnings)
-    assert make_writer(script, []).check_tables(["db.t"], DedupNeed(2, None, 100))[1:] == []
+    assert make_writer(script, []).check_tables(["db.t"], DedupNeed(2))[1:] == []
 
 
 def test_check_refuses_profile_and_distributed() -> None:
