@@ -280,17 +280,19 @@ class Driver:
 
     def check_new_partitions(self, partitions: Iterable[TopicPartition]) -> None:
         """Partitions the job had not seen (a topic's partitions added, a new topic
-        matched by the pattern) join the idle refresher's set. They leave the tables'
-        deduplication need unchanged: it bounds the blocks of a batch by its messages
-        over every partition (``aggregator.clickhouse.dedup_window``), and a table met
-        for the first time is judged by the task before its first insert
-        (:func:`spark.task.live_columns`)."""
+        matched by the pattern) join the idle refresher's set, and every table is
+        judged again before the batch reads or writes anything. The need itself does
+        not grow with partitions (``aggregator.clickhouse.dedup_window``); the check
+        is cheap and rare, and catches a window lowered since the start as it would at
+        start (``DedupWindowTooSmall``)."""
         new = set(partitions) - self.partitions
         if not new:
             return
         self.partitions.update(new)
-        logs.event(log, "new partitions", partitions=",".join(
-            f"{t}[{p}]" for t, p in sorted(new)), total=len(self.partitions))
+        logs.event(log, "new partitions: tables checked again", level=30,
+                   partitions=",".join(f"{t}[{p}]" for t, p in sorted(new)),
+                   total=len(self.partitions))
+        self.check_tables(sorted(self.partitions))
 
     def check_idle_interval(self) -> None:
         """Refuse a ``job.idle_commit_interval`` that the brokers' offset retention
