@@ -298,12 +298,23 @@ class ClickHouseConfig:
     ca_certs: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     allow_small_dedup_window: bool = False
+    allow_tables_without_coordinates: tuple[str, ...] = ()
+    """Tables (``database.table``) the job may write on a server that deduplicates by
+    content hash (no ``insert_deduplication_token``) although they lack the columns
+    ``_topic``, ``_partition``, ``_offset``: there two different blocks with the same
+    rows are one block, and the second is lost. Refused by default
+    (``writer.check_tables``); listing a table accepts that loss."""
     replay_across_alter: str = "refuse"
     """What to do with a block that must be sent again after its table's columns
     changed, on a server that deduplicates by content hash, when the table has no
     Kafka coordinate columns to tell whether it landed: ``refuse`` (stop, nothing
     sent), ``insert`` (risk a duplicate) or ``skip`` (risk a loss). For one restart,
     after checking the table by hand (docs/schemas.md)."""
+    expired_replay: str = "refuse"
+    """What to do with a replay block whose first attempt may be older than its table's
+    ``replicated_deduplication_window_seconds``, when the table has no Kafka
+    coordinate columns to tell whether it landed: ``refuse``, ``insert`` or ``skip``,
+    as ``replay_across_alter`` (docs/running.md)."""
 
     def __repr__(self) -> str:
         return (
@@ -317,7 +328,9 @@ class ClickHouseConfig:
             f"ping_after_idle={self.ping_after_idle}, secure={self.secure}, verify={self.verify}, "
             f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r}, "
             f"allow_small_dedup_window={self.allow_small_dedup_window}, "
-            f"replay_across_alter={self.replay_across_alter!r})"
+            f"allow_tables_without_coordinates={self.allow_tables_without_coordinates!r}, "
+            f"replay_across_alter={self.replay_across_alter!r}, "
+            f"expired_replay={self.expired_replay!r})"
         )
 
 
@@ -580,6 +593,13 @@ def _table_name(value: object, path: str) -> str:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*", text):
         raise ConfigError(f"{path}: expected \"database.table\", got {text!r}")
     return text
+
+
+def _table_names(value: object, path: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(f"{path}: expected a list of \"database.table\" strings, "
+                          f"got {value!r}")
+    return tuple(sorted({_table_name(item, f"{path}[{i}]") for i, item in enumerate(value)}))
 
 
 def _group_id(value: object, path: str) -> str:
@@ -897,8 +917,11 @@ def from_dict(
         ca_certs=ch_t.take("ca_certs", _nonempty, None),
         settings=settings,
         allow_small_dedup_window=ch_t.take("allow_small_dedup_window", _bool, False),
+        allow_tables_without_coordinates=ch_t.take("allow_tables_without_coordinates",
+                                                    _table_names, ()),
         replay_across_alter=ch_t.take("replay_across_alter", _one_of(REPLAY_ACROSS_ALTER),
                                       "refuse"),
+        expired_replay=ch_t.take("expired_replay", _one_of(REPLAY_ACROSS_ALTER), "refuse"),
     )
     ch_t.done()
     for topic in topics:

@@ -132,7 +132,11 @@ def insert_lanes(config: Config) -> Lanes:
 
 class Attempt(MetadataStore, Fence, Protocol):
     """A metadata store bound to one task attempt at one partition, which fenced every
-    older attempt when it opened (``aggregator.kafka.fencing.FencedAttempt``)."""
+    older attempt when it opened (``aggregator.kafka.fencing.FencedAttempt``).
+    ``nonce`` is written into each of its commits (``plan_batch(..., attempt=nonce)``)
+    so its confirms recognise its own commits only."""
+
+    nonce: int
 
     def close(self) -> None: ...
 
@@ -174,6 +178,8 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
         dead_letter_table=config.dead_letters.table,
         extra_settings=dict(ch.settings),
         replay_across_alter=ch.replay_across_alter,
+        expired_replay=ch.expired_replay,
+        allow_without_coordinates=frozenset(ch.allow_tables_without_coordinates),
     ))
 
 

@@ -248,12 +248,18 @@ class Driver:
         before decoding the first message routed to it
         (:func:`spark.task.live_columns`). A deduplication window below the shard's
         need refuses the start (``DedupWindowTooSmall``) for every table, unless
-        ``clickhouse.allow_small_dedup_window``."""
+        ``clickhouse.allow_small_dedup_window``. On a content-hash server a table
+        without the coordinate columns refuses the start (``CoordinatesMissing``)
+        unless ``clickhouse.allow_tables_without_coordinates`` lists it."""
         registry = self.components.registry(self.config)
         current = getattr(registry, "current", None)
         if current is None:
             return
-        from blockagg.aggregator.clickhouse.exceptions import DedupNotConfigured, TableNotFound
+        from blockagg.aggregator.clickhouse.exceptions import (
+            CoordinatesMissing,
+            DedupNotConfigured,
+            TableNotFound,
+        )
         from blockagg.spark.components import make_writer
 
         dead_letter_table = self.config.dead_letters.table
@@ -269,9 +275,11 @@ class Driver:
                     except TableNotFound:
                         continue  # not on this shard; its messages become dead letters
                     except DedupNotConfigured as exc:
-                        raise DedupNotConfigured(
+                        risk = ("lost" if isinstance(exc, CoordinatesMissing)
+                                else "inserted twice")
+                        raise type(exc)(
                             f"{exc} (refused at start: a message routed to {table} "
-                            "could be inserted twice)") from None
+                            f"could be {risk})") from None
                     for warning in warnings:
                         logs.event(log, "table check", level=30, shard=topic.label,
                                    warning=warning)
@@ -762,6 +770,7 @@ REFUSALS: dict[str, str] = {
     "PinsMismatch": "pins_mismatch",
     # refused by the writer before a re-send (aggregator.clickhouse.structure)
     "ReplayAcrossAlter": "replay_across_alter",
+    "ReplayBeyondDedupAge": "replay_beyond_dedup_age",
 }
 
 

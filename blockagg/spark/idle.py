@@ -18,8 +18,16 @@ newer commit of the same partition.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any, Final
 
+from blockagg.aggregator.core.exceptions import MetadataError
+from blockagg.aggregator.core.metadata import (
+    CLIENT_TERMINATOR_BYTES,
+    decode,
+    encode,
+    is_blockagg,
+)
 from blockagg.aggregator.core.model import MetadataStore
 from blockagg.aggregator.exceptions import ConfigError
 from blockagg.spark.components import open_attempt
@@ -57,6 +65,20 @@ def broker_retention_minutes(admin: Any, timeout: float = 10.0) -> int | None:
         return None
 
 
+def with_attempt(text: str, nonce: int) -> str:
+    """``text`` re-encoded as written by the attempt ``nonce``, everything else the same
+    (the verifier reads the same metadata). Nonces all encode to five bytes, so the
+    length is kept; foreign or undecodable text, and text written before nonces existed
+    (which the nonce would lengthen, perhaps past the broker's limit), stay unchanged."""
+    if not is_blockagg(text):
+        return text
+    try:
+        return encode(replace(decode(text), attempt=nonce),
+                      max_bytes=len(text) + CLIENT_TERMINATOR_BYTES)
+    except MetadataError:
+        return text
+
+
 class IdleRefresher:
     """Which partitions are due a re-commit, and the re-commit itself.
 
@@ -88,7 +110,10 @@ class IdleRefresher:
 
         Each re-commit is a fenced attempt of its own, like a task's: it fences any older
         attempt at the partition before reading the commit it repeats, so a stalled task
-        can't commit after it and the repeated commit can't land behind a newer one."""
+        can't commit after it and the repeated commit can't land behind a newer one. It
+        repeats blockagg metadata under its own attempt's nonce (:func:`with_attempt`),
+        so a stalled task whose intent it repeats fails its next confirm instead of
+        taking the repeat for its own commit."""
         count = 0
         for tp in partitions:
             attempt = open_attempt(store, tp[0], tp[1])
@@ -96,7 +121,10 @@ class IdleRefresher:
                 fenced: MetadataStore = attempt or store
                 committed = fenced.committed(*tp)
                 if committed is not None:
-                    fenced.commit(tp[0], tp[1], committed.offset, committed.metadata)
+                    text = committed.metadata
+                    if attempt is not None:
+                        text = with_attempt(text, attempt.nonce)
+                    fenced.commit(tp[0], tp[1], committed.offset, text)
                     count += 1
             finally:
                 if attempt is not None:

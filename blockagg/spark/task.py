@@ -365,10 +365,10 @@ class _MeasuredSink:
         self.block_rows: list[int] = []
         self.errors: dict[str, int] = defaultdict(int)
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         start = time.perf_counter()
         try:
-            self.inner.insert(block, batch)
+            self.inner.insert(block, batch, confirmed_at)
         except Exception as exc:
             code = _error_code(exc)
             if code is not None:
@@ -454,7 +454,9 @@ def _run_attempt(
     # share alone says little (1 bad message of 1 is 100%).
     thresholds = Thresholds(config.blocks.max_rows, config.blocks.max_bytes,
                             config.job.offset_metadata_max_bytes)
-    plan = plan_batch(batch, committed, thresholds, ctx.run_id, ctx.batch_id)
+    plan = plan_batch(batch, committed, thresholds, ctx.run_id, ctx.batch_id,
+                      attempt=attempt.nonce if attempt is not None else 0,
+                      now_s=int(time.time()))
     report = run_batch(plan, store, sink, attempt, insert_lanes(config))
     consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dead_letters: dict[str, int] = defaultdict(int)

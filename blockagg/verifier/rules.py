@@ -37,9 +37,13 @@ and each commit on its own for:
     for the group (an operator's ``kafka-consumer-groups --reset-offsets``, which
     ``docs/metadata.md`` calls a Reset, or another application sharing the group id).
     It replaces M: the next blockagg commit M' is not compared with the metadata before
-    the reset for backward/overlap; it is a gap if ``M'.start`` is above the reset's
-    offset and backward (an anomaly) if below it: blockagg resumes exactly at the
-    committed offset, so a rewind under a reset is never the operator's doing.
+    the reset for backward/overlap but with the reset's offset F: a gap if ``M'.start``
+    is above F (the core refuses such a batch), backward (an anomaly) if ``M'.resume``
+    or a block of M' goes below F (blockagg resumes exactly at the committed offset, so
+    a rewind under a reset is never the operator's doing). ``M'.start`` below F is
+    fine: a Spark checkpoint behind a forward reset plans the batch from its old
+    position, and the core leaves the messages below F out as delivered, consuming
+    exactly from F (``check_after_reset``).
 ``past_end``
     The commit claims offsets beyond the partition's high watermark (the committed
     offset, or the batch end).
@@ -220,17 +224,38 @@ def check_start(resume: int, current: Metadata) -> list[Finding]:
 
 def check_after_reset(reset: int, current: Metadata) -> list[Finding]:
     """After a foreign commit (a reset to ``reset``) or an offset mismatch, blockagg
-    resumes from the committed offset: its next batch starts exactly there. Starting
-    past it is a gap (:func:`check_start`); starting below it rewinds under the reset
-    and re-reads offsets, an anomaly (backward), not a notice: no operator asked for it.
+    resumes from the committed offset: it consumes exactly from there, with no blocks
+    to replay.
+
+    Judged by what ``current`` delivers, its resume offset and blocks, never by
+    ``current.start`` alone: a Spark checkpoint behind a forward reset plans the
+    batch from below ``reset``, and the core leaves the messages in
+    ``[start, reset)`` out as delivered (the operator acknowledged them), so a batch
+    starting below the reset whose resume offset and blocks are at or above it
+    neither loses nor duplicates anything. A resume offset below ``reset`` or a block
+    starting below it consumes acknowledged offsets again: backward, an anomaly, not
+    a notice (no operator asked for it). Starting past ``reset`` is a gap
+    (:func:`check_start`): the core refuses such a batch.
     """
-    if current.start >= reset:
-        return check_start(reset, current)
-    return [Finding(
-        AnomalyKind.BACKWARD,
-        f"batch starts at {current.start}, below the offset {reset} the group was reset "
-        f"to: offsets [{current.start}, {reset}) are read again",
-    )]
+    findings = check_start(reset, current)
+    if current.resume < reset:
+        findings.append(Finding(
+            AnomalyKind.BACKWARD,
+            f"resume offset {current.resume} is below the offset {reset} the group was "
+            f"reset to: offsets [{current.resume}, {reset}) are consumed again",
+        ))
+    findings.extend(
+        Finding(
+            AnomalyKind.BACKWARD,
+            f"table {b.table_id}: block [{b.first}, {b.last}] starts below the offset "
+            f"{reset} the group was reset to: offsets [{b.first}, {min(b.last + 1, reset)}) "
+            "are formed into a block again",
+            b.table_id,
+        )
+        for b in current.blocks
+        if b.first < reset
+    )
+    return findings
 
 
 def check_blocks(metadata: Metadata) -> list[Finding]:

@@ -225,10 +225,11 @@ class FaultAttempt(FaultStore):
     def __init__(self, inner: Attempt, plan: Plan) -> None:
         super().__init__(inner, plan)
         self.attempt_inner = inner
+        self.nonce = inner.nonce
 
-    def confirm(self, topic: str, partition: int) -> None:
+    def confirm(self, topic: str, partition: int) -> float:
         try:
-            self.attempt_inner.confirm(topic, partition)
+            return self.attempt_inner.confirm(topic, partition)
         except AttemptFenced as exc:
             self.plan.refused(exc)
             raise
@@ -242,11 +243,11 @@ class FaultSink:
         self.inner = inner
         self.plan = plan
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         key = (batch.topic, batch.partition, batch.start, batch.end)
         if _BATCH_BLOCKS.get(key, 0) >= 1:
             self.plan.fail("between_blocks", f"before the second block ({block.token}) of a batch")
-        self.inner.insert(block, batch)
+        self.inner.insert(block, batch, confirmed_at)
         if len(_BATCH_BLOCKS) > 10_000:
             _BATCH_BLOCKS.clear()
         _BATCH_BLOCKS[key] = _BATCH_BLOCKS.get(key, 0) + 1

@@ -45,7 +45,7 @@ class FileSink:
         self.path = path
         self.fail_once = fail_once
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         if self.fail_once:
             try:
                 fd = os.open(self.fail_once, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -152,7 +152,7 @@ class PausingSink:
         self.inner = inner
         self.folder = Path(folder)
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         if (self.folder / "armed").exists():
             try:
                 fd = os.open(self.folder / "paused", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -164,7 +164,7 @@ class PausingSink:
                 deadline = time.monotonic() + 300
                 while not (self.folder / "release").exists() and time.monotonic() < deadline:
                     time.sleep(0.1)
-        self.inner.insert(block, batch)
+        self.inner.insert(block, batch, confirmed_at)
 
 
 @dataclass(frozen=True)

@@ -202,3 +202,55 @@ def test_a_missing_replay_block_is_given_up_without_losing_other_tables(
     findings = [json.loads(line) for line in verified.stdout.splitlines() if line.strip()]
     assert [(f["kind"], f["partition"], f["table_id"]) for f in findings
             if f["kind"] != "foreign_writer"] == [("gap", 0, 1)], verified.stdout
+
+
+def _reset_with_admin_client(job: JobEnv, partition: int, offset: int) -> None:
+    """What ``kafka-consumer-groups.sh --reset-offsets --to-offset`` does: the group's
+    offset moved by the AdminClient, with no metadata (a foreign commit)."""
+    from confluent_kafka import ConsumerGroupTopicPartitions, TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": job.stack_env["BLOCKAGG_BOOTSTRAP_SERVERS"]})
+    [future] = admin.alter_consumer_group_offsets([ConsumerGroupTopicPartitions(
+        job.group, [TopicPartition(job.topic, partition, offset)])]).values()
+    [moved] = future.result(30).topic_partitions
+    assert moved.error is None and moved.offset == offset, moved
+
+
+def test_a_forward_reset_under_a_checkpoint_behind_is_delivered_from_the_reset_and_verifies(
+        job: JobEnv, producer: Producer) -> None:
+    """Issue 25: the operator resets partition 0 forward (to 25) while the job is stopped
+    and its Spark checkpoint stays at 20. The restarted query plans partition 0 from
+    20; the core leaves [20, 25) out as acknowledged and delivers from 25, committing
+    start = 20 with resume and blocks at or above 25. Every other message lands exactly
+    once, and arv verify reports the reset as a notice only (exit 0), no backward."""
+    producer.messages(60)  # offsets [0, 20) of each partition
+    ok = job.run("--until-caught-up", timeout=300)
+    assert ok.returncode == 0, (ok.stdout + ok.stderr)[-5000:]
+    producer.messages(60)  # offsets [20, 40)
+    _reset_with_admin_client(job, 0, 25)
+    again = job.run("--until-caught-up", timeout=300)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-5000:]
+    assert "resuming from offset 25" in again.stdout + again.stderr
+
+    skipped = {(job.topic, 0, offset) for offset in range(20, 25)}
+    for rows in producer.expected.rows.values():
+        for key in skipped & set(rows):
+            del rows[key]
+    assert_exact(job, producer)
+
+    history = [c for c in _history(job) if c.partition == 0]
+    # the reset, and the job's own unchanged re-commit of it (with librdkafka's NUL)
+    foreign = [i for i, c in enumerate(history) if not c.metadata.startswith("ba")]
+    assert foreign and {history[i].offset for i in foreign} == {25}, history
+    from blockagg.aggregator.core.metadata import decode
+
+    after = [decode(c.metadata.rstrip("\x00")) for c in history[foreign[-1] + 1:]]
+    assert after and after[0].start == 20 and min(m.resume for m in after) >= 25, after
+    result = CliRunner().invoke(verify_cli, ["verify", "--bootstrap-servers",
+                                             job.stack_env["BLOCKAGG_BOOTSTRAP_SERVERS"],
+                                             "--group", job.group, "--json"])
+    findings = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    assert {(f["kind"], f["partition"], f["offset"]) for f in findings} == {
+        ("foreign_writer", 0, 25)}, result.stdout + result.stderr
+    assert result.exit_code == 0, result.stderr

@@ -257,8 +257,8 @@ class DiesAfterInserts(DefaultComponents):
         outer = self
 
         class Sink:
-            def insert(self, block: Any, batch: Any) -> None:
-                inner.insert(block, batch)
+            def insert(self, block: Any, batch: Any, confirmed_at: Any = None) -> None:
+                inner.insert(block, batch, confirmed_at)
                 outer.left -= 1
                 if outer.left == 0:
                     raise CrashAfter("the worker dies after this insert")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,10 @@ from blockagg.aggregator.clickhouse.exceptions import ReplayAcrossAlter
 from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter
 from blockagg.aggregator.core.metadata import DedupMode, Pins
-from blockagg.aggregator.core.model import Batch, Block, block_token
+from blockagg.aggregator.core.model import Batch, Block, Thresholds, block_token
+from blockagg.aggregator.core.protocol import InsertBlock, plan_batch, run_batch
+from blockagg.aggregator.kafka.exceptions import AttemptFenced
+from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
 from tests.integration.conftest import replicated_engine
@@ -58,8 +63,8 @@ def _table(ch_replicas: list[Any], database: str, name: str, columns: str) -> st
     return f"{database}.{name}"
 
 
-def _batch_and_blocks(writer: ClickHouseBlockWriter, table: str, tmp: Path
-                      ) -> tuple[Batch, Block, Block]:
+def _batch_and_blocks(writer: ClickHouseBlockWriter, table: str, tmp: Path,
+                      topic: str = "topic") -> tuple[Batch, Block, Block]:
     """Offsets 100..103, 10 rows each; block A = [100, 101], block B = [102, 103]."""
     fds = row_fds(tmp)
     store = MemoryStore()
@@ -68,14 +73,14 @@ def _batch_and_blocks(writer: ClickHouseBlockWriter, table: str, tmp: Path
     rows = make_rows(fds, 40)
     msgs = [Message(100 + i, 1_700_000_000_000, make_envelope(table, rows[10 * i:10 * i + 10], 1))
             for i in range(4)]
-    prepared = prepare("topic", 0, msgs, plans, dead_letter_table="blockagg.dead_letters")
-    batch = Batch("topic", 0, 100, 104, prepared.offsets, prepared.table_ids,
+    prepared = prepare(topic, 0, msgs, plans, dead_letter_table="blockagg.dead_letters")
+    batch = Batch(topic, 0, 100, 104, prepared.offsets, prepared.table_ids,
                   prepared.row_counts, prepared.sizes, prepared.payloads, prepared.tables)
     tid = int(prepared.table_ids[0])
 
     def block(first: int, last: int) -> Block:
-        return Block("topic", 0, tid, table, first, last, np.arange(first - 100, last - 99),
-                     20, 0, block_token("topic", 0, table, first, last))
+        return Block(topic, 0, tid, table, first, last, np.arange(first - 100, last - 99),
+                     20, 0, block_token(topic, 0, table, first, last))
 
     return batch, block(100, 101), block(102, 103)
 
@@ -170,3 +175,45 @@ def test_an_attempt_still_running_holds_its_query_id_until_it_ends(
     assert not first.is_alive()
     assert writer_for(stack_env)._still_running(block.token) == []
     assert _counts(ch_replicas, table) == [20, 20]
+
+
+def test_a_stalled_attempt_does_not_store_a_block_again_after_a_retry_and_an_alter(
+        stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str,
+        kafka_bootstrap: str, new_topic: Callable[..., str], tmp_path: Path) -> None:
+    """Issue 25, path 1, on the real broker and 18.16 replicas. Attempt A commits its
+    intent and stalls before its confirm; Spark's retry B of the same task commits the
+    same replay intent (byte for byte, but for the attempt nonce), inserts the first
+    block and dies before its next commit; the table is ALTERed; A resumes. Before the
+    nonce A's confirm passed (the last commit read as its own text), A sent the block
+    as an on-time first attempt, and 18.16 hashed the part with the new column:
+    stored twice. Now A's confirm fails and nothing more is stored."""
+    topic = new_topic(partitions=1, prefix="stall")
+    table = _table(ch_replicas, ch_database, "stalled", COLUMNS_1816)
+    writer = writer_for(stack_env, insert_quorum=2)
+    batch, _, _ = _batch_and_blocks(writer, table, tmp_path, topic)
+    mark = writer.structure_mark([table])
+    batch = dataclasses.replace(batch, pins=Pins(dedup=DedupMode.BLOCK_HASH, structure=mark))
+    thresholds = Thresholds(max_rows=20, max_bytes=1 << 30)
+    group = f"blockagg-stall-{uuid.uuid4().hex[:10]}"
+    with KafkaMetadataStore({"bootstrap.servers": kafka_bootstrap, "group.id": group},
+                            timeout=15.0) as store:
+        a = store.attempt(topic, 0)
+        plan_a = plan_batch(batch, a.committed(topic, 0), thresholds, 1, 1,
+                            attempt=a.nonce, now_s=int(time.time()))
+        run_batch(dataclasses.replace(plan_a, operations=plan_a.operations[:1]), a, writer, a)
+        # A stalls. B, Spark's retry of the same task, replays A's intent:
+        b = store.attempt(topic, 0)
+        plan_b = plan_batch(batch, b.committed(topic, 0), thresholds, 1, 1,
+                            attempt=b.nonce, now_s=int(time.time()))
+        assert [op.block.first for op in plan_b.operations if isinstance(op, InsertBlock)] \
+            == [op.block.first for op in plan_a.operations if isinstance(op, InsertBlock)]
+        run_batch(dataclasses.replace(plan_b, operations=plan_b.operations[:2]), b, writer, b)
+        assert _counts(ch_replicas, table) == [20, 20]
+        # B dies before its next commit; the table is ALTERed; A resumes:
+        _add_column(ch_replicas, table)
+        with pytest.raises(AttemptFenced, match="no longer this attempt's intent"):
+            run_batch(dataclasses.replace(plan_a, operations=plan_a.operations[1:]), a,
+                      writer, a)
+        assert _counts(ch_replicas, table) == [20, 20], "nothing of A's stored"
+        a.close()
+        b.close()

@@ -104,6 +104,40 @@ def test_target_table_without_deduplication_is_refused_at_start(job: Job) -> Non
     assert job.rows("plain") == 0
 
 
+def test_a_table_without_coordinate_columns_is_refused_on_18_16_unless_allowed(
+        job: Job) -> None:
+    """Issue 25: on 18.16 (content-hash deduplication) a table without _topic,
+    _partition, _offset would lose a block whose rows equal a recent block's. The start
+    is refused in one line naming the table, the columns to add and the opt-out,
+    nothing written; listed in clickhouse.allow_tables_without_coordinates, the job
+    starts (with a warning naming the table) and delivers every row."""
+    from tests.integration.conftest import replicated_engine
+
+    bare = f"{job.database}.bare"
+    for client in job.clients:
+        client.execute(f"CREATE TABLE {bare} (id UInt64) ENGINE = "
+                       + replicated_engine(job.database, "bare", "id"))
+    job.register("bare", "firstday.v1.Plain")
+    job.produce(5, table="bare", message="Plain")
+    run = job.run(job.config())
+    line = refused(run, f"table {bare} has no _topic, _partition, _offset column(s)",
+                   "ADD COLUMN _topic String, ADD COLUMN _partition UInt32, "
+                   "ADD COLUMN _offset UInt64",
+                   f'clickhouse.allow_tables_without_coordinates = ["{bare}"]',
+                   before_spark=False)
+    assert f"a message routed to {bare} could be lost" in line, line
+    job.assert_nothing_written()
+    assert job.rows("bare") == 0
+
+    allowed = job.config("allowed.toml",
+                         clickhouse=f'allow_tables_without_coordinates = ["{bare}"]')
+    run = job.run(allowed, "--until-caught-up")
+    assert run.code == 0, run.out[-6000:]
+    assert f"table {bare} has no _topic" in run.out
+    assert "accepted by clickhouse.allow_tables_without_coordinates" in run.out
+    assert job.rows("bare") == 5 and job.rows("orders") == 20
+
+
 def test_configuration_refused_exit_2(job: Job) -> None:
     run = job.run(job.config(job="no_such_key = 1"))
     refused(run, "no_such_key", code=2)

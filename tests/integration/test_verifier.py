@@ -155,6 +155,21 @@ def test_reset_past_delivered_offsets_then_resume_is_a_gap(
                  [before, (180, ""), md(180, 300, 180, run=9)]) == (0, ["foreign_writer"])
 
 
+def test_a_batch_planned_below_a_forward_reset_is_judged_by_its_resume_and_blocks(
+    kafka_bootstrap: str, data_topic: str
+) -> None:
+    """A checkpoint behind a forward reset: the batch starts below the reset's offset
+    but resumes and forms blocks from it (accepted); a resume offset below it is a
+    rewind (backward)."""
+    before = md(100, 200, 150, B(1, 150, 199))
+    assert check(kafka_bootstrap, data_topic,
+                 [before, (180, ""), md(100, 300, 180, B(1, 180, 260), run=9),
+                  md(100, 300, 300, run=9)]) == (0, ["foreign_writer"])
+    assert check(kafka_bootstrap, data_topic,
+                 [before, (180, ""), md(100, 300, 170, run=9)]) == (
+        1, ["foreign_writer", "backward"])
+
+
 def test_past_end(kafka_bootstrap: str, data_topic: str) -> None:
     assert check(kafka_bootstrap, data_topic,
                  [md(300, 500, 300, B(1, 300, 450))]) == (1, ["past_end"])

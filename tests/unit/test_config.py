@@ -349,3 +349,18 @@ insert_quorum = 2
     off = cfg("[clickhouse]\ninsert_quorum = 0\n")
     assert off.insert_quorum_for(off.topics[0]) == 0
     assert not cfg().clickhouse.allow_small_dedup_window
+
+
+def test_allow_tables_without_coordinates_is_a_list_of_table_names() -> None:
+    assert cfg().clickhouse.allow_tables_without_coordinates == ()
+    allowed = cfg('[clickhouse]\nallow_tables_without_coordinates = ["shop.b", "shop.a"]\n')
+    assert allowed.clickhouse.allow_tables_without_coordinates == ("shop.a", "shop.b")
+    assert "allow_tables_without_coordinates=('shop.a', 'shop.b')" in repr(allowed.clickhouse)
+    refused(MINIMAL + "[clickhouse]\nallow_tables_without_coordinates = true\n",
+            r"clickhouse\.allow_tables_without_coordinates: expected a list of "
+            r"\"database\.table\" strings, got True")
+    refused(MINIMAL + '[clickhouse]\nallow_tables_without_coordinates = ["orders"]\n',
+            r"clickhouse\.allow_tables_without_coordinates\[0\]: expected \"database\.table\", "
+            r"got 'orders'")
+    refused(MINIMAL + '[clickhouse]\nallow_table_without_coordinates = ["shop.a"]\n',
+            r"unknown key; did you mean 'allow_tables_without_coordinates'\?")

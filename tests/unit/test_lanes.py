@@ -114,10 +114,10 @@ class RecordingSink(DedupSink):
         self.together = threading.Barrier(3, timeout=WAIT)
         self.lock = threading.Lock()
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         self.together.wait()
         with self.lock:
-            super().insert(block, batch)
+            super().insert(block, batch, confirmed_at)
 
 
 def test_run_batch_with_lanes_commits_around_concurrent_inserts() -> None:

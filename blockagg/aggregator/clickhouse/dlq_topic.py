@@ -140,8 +140,8 @@ class DeadLetterTopicSink:
         self.inner = inner
         self.dlq = dlq
 
-    def insert(self, block: Block, batch: Batch) -> None:
-        self.inner.insert(block, batch)
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
+        self.inner.insert(block, batch, confirmed_at)
         if block.table_id != DEAD_LETTER_TABLE_ID:
             return
         letters = [p for p in (batch.payloads[int(i)] for i in block.positions)

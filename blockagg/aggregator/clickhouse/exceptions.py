@@ -18,6 +18,13 @@ class DedupNotConfigured(ClickHouseError):
     """A table would not drop a retried block; inserting into it could duplicate."""
 
 
+class CoordinatesMissing(DedupNotConfigured):
+    """A table without the Kafka coordinate columns on a server that deduplicates by
+    content hash: two different blocks with the same rows are one block to it, so the
+    second would be lost. Refused unless ``clickhouse.allow_tables_without_coordinates``
+    lists the table."""
+
+
 class DedupWindowTooSmall(ClickHouseError):
     """A table's deduplication window is smaller than the blocks a retried block may
     have to outlive (``aggregator.clickhouse.dedup_window``)."""
@@ -112,6 +119,13 @@ class ReplayAcrossAlter(ClickHouseError):
     recognises a stored block by a hash that covers the columns, and the table has no
     Kafka coordinate columns to tell whether the first attempt landed. Nothing was
     sent (``aggregator.clickhouse.structure``)."""
+
+
+class ReplayBeyondDedupAge(ClickHouseError):
+    """A replay block's first attempt may be older than the table's
+    ``replicated_deduplication_window_seconds``, so the server may no longer recognise
+    it, and the table has no Kafka coordinate columns to tell whether it landed.
+    Nothing was sent."""
 
 
 class ClickHouseUnreachable(ClickHouseError):

@@ -49,11 +49,13 @@ from blockagg.aggregator.clickhouse.dedup_window import DedupNeed, judge_window
 from blockagg.aggregator.clickhouse.exceptions import (
     AlterNotApplied,
     ClickHouseError,
+    CoordinatesMissing,
     DedupModeMismatch,
     DedupNotConfigured,
     InsertFailed,
     QuorumUnsatisfied,
     ReplayAcrossAlter,
+    ReplayBeyondDedupAge,
     TableNotFound,
 )
 from blockagg.aggregator.clickhouse.native import (
@@ -135,11 +137,16 @@ written from arrays (integers, floats, String, DateTime without a time zone), or
 by the driver's generic column from an ``object`` array (Enum8/16, Array(T))."""
 
 LATE_FIRST_SEND_S: Final = 5.0
-"""A block's first attempt sent this long after its insert began (the fence's confirm
-just before) is checked like a re-send: the attempt stalled in between (SIGSTOP, a GC
-pause), and a newer attempt may have stored the block meanwhile under columns an
-``ALTER`` has since changed (docs/protocol.md, *The residual window*). A newer
-attempt needs a driver restart or a lost executor first, far longer than this."""
+"""A block's first attempt sent this long after the fence's confirm began its read (the
+last moment the attempt was the partition's only writer) is checked like a re-send:
+the attempt stalled in between (SIGSTOP, a GC pause), and a newer attempt may have
+stored the block meanwhile under columns an ``ALTER`` has since changed
+(docs/protocol.md, *The residual window*). A newer attempt needs a driver restart or
+a lost executor, then its own commit, insert and the ALTER, far longer than this."""
+
+DEDUP_AGE_SETTING: Final = "replicated_deduplication_window_seconds"
+DEFAULT_DEDUP_AGE_S: Final = 604_800
+"""ClickHouse's default ``replicated_deduplication_window_seconds``: 7 days."""
 
 DEFAULT_INSERT_BLOCK_SIZE: Final = 1_048_576
 """clickhouse-driver's ``insert_block_size``: larger blocks go as lists, which the
@@ -264,6 +271,12 @@ class WriterConfig:
     replay_across_alter: str = "refuse"
     """``clickhouse.replay_across_alter``: a re-send after an ALTER that the table's
     coordinates can't settle is refused, inserted or skipped."""
+    expired_replay: str = "refuse"
+    """``clickhouse.expired_replay``: a replay older than the table's deduplication age
+    that the table's coordinates can't settle is refused, inserted or skipped."""
+    allow_without_coordinates: frozenset[str] = frozenset()
+    """``clickhouse.allow_tables_without_coordinates``: tables accepted without the
+    coordinate columns on a content-hash server (:meth:`ClickHouseBlockWriter.check_tables`)."""
     earlier_attempt_wait_s: float = 360.0
     """How long the re-send check waits, in place, for an earlier attempt of the block
     still running on a replica before it gives up (:class:`Unsettled`, retried). Such
@@ -382,9 +395,11 @@ class ClickHouseBlockWriter:
     def __init__(self, config: WriterConfig,
                  client_factory: Callable[[Replica], Client] | None = None,
                  sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self._clock = clock
+        self._wall_clock = wall_clock
         self._factory = client_factory or default_client_factory(config)
         self._clients: dict[tuple[int, Replica], Client] = {}
         self._clients_lock = threading.Lock()
@@ -392,6 +407,7 @@ class ClickHouseBlockWriter:
         self._preferred = 0
         self._server_version: tuple[int, ...] | None = None
         self._structure = StructureCache()
+        self._dedup_ages: dict[str, int | None] = {}
 
     def _client(self, replica: Replica) -> Client:
         """This thread's client of ``replica``."""
@@ -469,9 +485,10 @@ class ClickHouseBlockWriter:
         has no ``non_replicated_deduplication_window`` > 0, or when the user's
         profile sets ``insert_deduplicate = 0``; :class:`DedupWindowTooSmall` when
         the window is below ``need`` (``aggregator.clickhouse.dedup_window``; a
-        warning with ``allow_small_window``). Warns when a table lacks the
-        Kafka-coordinate columns (a new block equal to a recent one would be
-        dropped by content-hash deduplication).
+        warning with ``allow_small_window``); :class:`CoordinatesMissing` when a table
+        lacks the Kafka-coordinate columns on a content-hash server
+        (:meth:`_judge_coordinates`; a warning for the tables
+        ``allow_without_coordinates`` lists, and on token servers).
         """
         warnings: list[str] = []
         profile = self.query("SELECT value FROM system.settings "
@@ -515,17 +532,43 @@ class ClickHouseBlockWriter:
                 if warning is not None:
                     warnings.append(warning)
             if not info.coordinates and table != self.config.dead_letter_table:
-                missing = ", ".join(c for c in COORDINATE_COLUMNS
-                                    if c not in {col.name for col in info.columns})
-                hint = ("" if self.supports_token else
-                        " (this server has no insert_deduplication_token)")
-                warnings.append(
-                    f"table {table} has no {missing} column(s): a new block whose rows equal "
-                    "a recent block's would be dropped by content-hash deduplication"
-                    f"{hint}; add _topic String, _partition UInt32, _offset UInt64")
+                warning = self._judge_coordinates(info)
+                if warning is not None:
+                    warnings.append(warning)
         for w in warnings:
             log.warning("%s", w)
         return warnings
+
+    def _judge_coordinates(self, info: TableInfo) -> str | None:
+        """A table without ``_topic``, ``_partition``, ``_offset``: refused on a server
+        that deduplicates by content hash (invariant 1: two different blocks with equal
+        rows, e.g. the same event sent twice at different offsets, or a recreated topic
+        repeating old payloads, hash alike, and the server drops the second as a retry:
+        lost), unless ``allow_without_coordinates`` lists it (then a warning). With
+        ``insert_deduplication_token`` the token names topic, partition and offsets, so
+        equal rows never merge; only ``arv audit`` and the re-send check after an ALTER
+        miss the columns there (a warning)."""
+        table = info.table
+        missing = ", ".join(c for c in COORDINATE_COLUMNS
+                            if c not in {col.name for col in info.columns})
+        add = "add _topic String, _partition UInt32, _offset UInt64"
+        if self.supports_token:
+            return (f"table {table} has no {missing} column(s): arv audit cannot check it "
+                    "(deduplication is safe here: the server takes "
+                    f"insert_deduplication_token); {add}")
+        version = ".".join(map(str, self.server_version))
+        if table in self.config.allow_without_coordinates:
+            return (f"table {table} has no {missing} column(s) on ClickHouse {version} "
+                    "(content-hash deduplication): a new block whose rows equal a recent "
+                    "block's is dropped as a retry and lost; accepted by "
+                    f"clickhouse.allow_tables_without_coordinates; {add}")
+        raise CoordinatesMissing(
+            f"table {table} has no {missing} column(s): ClickHouse {version} deduplicates "
+            "by content hash (no insert_deduplication_token), so a new block whose rows "
+            "equal a recent block's would be dropped as a retry and its messages lost. "
+            f"Fix: ALTER TABLE {table} ADD COLUMN _topic String, ADD COLUMN _partition "
+            "UInt32, ADD COLUMN _offset UInt64, or accept the loss "
+            f"with clickhouse.allow_tables_without_coordinates = [\"{table}\"]")
 
     def _merge_tree_setting(self, name: str, default: int) -> int | None:
         try:
@@ -731,9 +774,15 @@ class ClickHouseBlockWriter:
             fills[c.name] = value
         return names, fills
 
-    def insert(self, block: Block, batch: Batch) -> None:
-        """Insert ``block`` (all its rows, in one insert); return once acknowledged."""
-        began = self._clock()
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
+        """Insert ``block`` (all its rows, in one insert); return once acknowledged.
+
+        ``confirmed_at`` (the fence's confirm, on this writer's clock) is when the
+        attempt was last known to be the partition's only writer: a first send later
+        than :data:`LATE_FIRST_SEND_S` after it is checked like a re-send. A replay
+        whose first attempt may be older than the table's deduplication age
+        (:meth:`_expired`) is checked by its rows too, whatever the server's mode."""
+        began = self._clock() if confirmed_at is None else min(confirmed_at, self._clock())
         table = (self.config.dead_letter_table if block.table_id == DEAD_LETTER_TABLE_ID
                  else block.table)
         data = self.block_data(block, batch)
@@ -754,9 +803,11 @@ class ClickHouseBlockWriter:
             if dedup:
                 self._check_dedup_mode(client, block, dedup)
             late = self._clock() - began if attempts == 1 else 0.0
-            if by_hash and (block.replay or attempts > 1 or late > LATE_FIRST_SEND_S) \
+            expired = self._expired(table, block) if block.replay else None
+            if (expired or (by_hash and (block.replay or attempts > 1
+                                         or late > LATE_FIRST_SEND_S))) \
                     and self._already_stored(client, block, table, data,
-                                             batch.pins.structure, attempts, late):
+                                             batch.pins.structure, attempts, late, expired):
                 return None
             if data.numpy and _is_driver_client(client):
                 return client.execute(sql, data.fresh(native=_is_native_client(client)),
@@ -804,15 +855,47 @@ class ClickHouseBlockWriter:
         return int(self._with_retries("(query)", lambda c: self._structure.mark(
             functools.partial(_execute, c), tables, versions)))
 
+    def _expired(self, table: str, block: Block) -> str | None:
+        """Why the server may have forgotten a replay block's first attempt, or
+        ``None``: its intent recorded when the block was first sent (``since_s``, at or
+        before the real send) and the age passed the table's
+        ``replicated_deduplication_window_seconds`` less a margin for clocks
+        (:func:`dedup_age_limit`). ClickHouse forgets a block once a block newer by that
+        much is stored, so the age measured from now is never short of it."""
+        if not block.since_s:
+            return None
+        window = self._dedup_age(table)
+        age = int(self._wall_clock()) - block.since_s
+        if window is None or age < dedup_age_limit(window):
+            return None
+        return (f"its first attempt may be {age} s old, and {table} forgets a stored block "
+                f"after replicated_deduplication_window_seconds = {window}")
+
+    def _dedup_age(self, table: str) -> int | None:
+        """The table's ``replicated_deduplication_window_seconds`` (``None``: a table
+        that does not forget by age), read once per writer."""
+        if table not in self._dedup_ages:
+            create = str(self.query(f"SHOW CREATE TABLE {table}")[0][0])
+            window: int | None = None
+            if re.search(r"ENGINE\s*=\s*Replicated", create):
+                window = _setting_in_create(create, DEDUP_AGE_SETTING)
+                if window is None:
+                    window = self._merge_tree_setting(DEDUP_AGE_SETTING, DEFAULT_DEDUP_AGE_S)
+            self._dedup_ages[table] = window
+        return self._dedup_ages[table]
+
     def _already_stored(self, client: Client, block: Block, table: str, data: BlockData,
-                        mark: int, attempt: int, late: float = 0.0) -> bool:
+                        mark: int, attempt: int, late: float = 0.0,
+                        expired: str | None = None) -> bool:
         """Before a block is sent again under content-hash deduplication (or its first
-        attempt goes out ``late`` seconds after the insert began): ``True`` when
-        it is stored already and must not be sent; ``False`` when sending it is safe
-        (the table's columns are as they were at the intent's ``mark``, or the block
-        is in none of the replicas). Raises :class:`ReplayAcrossAlter` when only the
-        table's rows could tell and it has no coordinate columns."""
-        risk = resend_risk(functools.partial(_execute, client), table, mark)
+        attempt goes out ``late`` seconds after its confirm), or a replay the server may
+        have forgotten (``expired``: why): ``True`` when it is stored already and must
+        not be sent; ``False`` when sending it is safe (the table's columns are as they
+        were at the intent's ``mark`` and the server still knows the block, or the block
+        is in none of the replicas). Raises :class:`ReplayAcrossAlter` (or
+        :class:`ReplayBeyondDedupAge`) when only the table's rows could tell and it has
+        no coordinate columns."""
+        risk = expired or resend_risk(functools.partial(_execute, client), table, mark)
         if risk is None:
             return False
         kind = ("replay" if block.replay and attempt == 1 else f"retry, attempt {attempt}"
@@ -825,11 +908,17 @@ class ClickHouseBlockWriter:
         else:
             coordinates = None
         if coordinates is None:
-            choice = self.config.replay_across_alter
-            if choice == "refuse":
-                raise ReplayAcrossAlter(replay_across_alter_error(where, kind, risk, data.rows))
-            log.warning("block %s (%s) sent again although %s: replay_across_alter = %r",
-                        where, kind, risk, choice)
+            if expired:
+                choice, setting = self.config.expired_replay, "expired_replay"
+                if choice == "refuse":
+                    raise ReplayBeyondDedupAge(expired_replay_error(where, risk, data.rows))
+            else:
+                choice, setting = self.config.replay_across_alter, "replay_across_alter"
+                if choice == "refuse":
+                    raise ReplayAcrossAlter(
+                        replay_across_alter_error(where, kind, risk, data.rows))
+            log.warning("block %s (%s) %s although %s: %s = %r", where, kind,
+                        "not sent" if choice == "skip" else "sent again", risk, setting, choice)
             return choice == "skip"
         running = self._wait_for_earlier_attempt(block_query_id(block), where)
         if running:
@@ -846,7 +935,12 @@ class ClickHouseBlockWriter:
             except Exception:
                 self._drop(replica)
                 counts.append(None)
-        full = sum(c == data.rows for c in counts)
+        full = sum(c is not None and c >= data.rows for c in counts)
+        if any(c is not None and c > data.rows for c in counts):
+            log.error("block %s (%s): %s, and some replica holds more than its %d rows "
+                      "(rows in its range per replica: %s): stored more than once already; "
+                      "not sent again. Check with arv audit", where, kind, risk, data.rows,
+                      counts)
         if full >= max(1, self.config.insert_quorum):
             log.info("block %s (%s) not sent again: %s, and its %d rows are stored "
                      "(rows in its range per replica: %s)", where, kind, risk, data.rows, counts)
@@ -1005,6 +1099,27 @@ def block_query_id(block: Block) -> str:
 
 def _execute(client: Client, sql: str, params: Any) -> Any:
     return client.execute(sql, params or None)
+
+
+def dedup_age_limit(window_s: int) -> int:
+    """The age at which a replay is treated as forgotten by a server that keeps blocks
+    ``window_s`` seconds: a tenth earlier, and at least a minute, for clocks that
+    disagree between executors and servers."""
+    return window_s - max(60, window_s // 10)
+
+
+def expired_replay_error(where: str, risk: str, rows: int) -> str:
+    """The refusal of a replay older than the table's deduplication age, which only the
+    table's rows could settle."""
+    table = where.split(" ", 1)[0]
+    return (f"block {where} ({rows} rows) must be replayed, but {risk}: if its first "
+            "attempt landed, the server no longer recognises it and would store it twice, "
+            f"and blockagg can't tell whether it did because {table} has no "
+            "_topic/_partition/_offset columns. Nothing was sent. Check the block's rows "
+            f"(arv audit, or count them in {table}); then restart once with "
+            "clickhouse.expired_replay = \"skip\" if they are there or \"insert\" if they "
+            "are not, and set it back (docs/running.md, *A replay older than the "
+            "deduplication age*).")
 
 
 def replay_across_alter_error(where: str, kind: str, risk: str, rows: int) -> str:

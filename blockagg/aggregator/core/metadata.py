@@ -19,7 +19,9 @@ for one topic-partition:
 Encoding: ``"ba1:" + base85(msgpack([run, batch, start, end, resume, packed]))``
 or, when strictly shorter, ``msgpack([run, batch, start, end, resume, packed,
 [blocks, w1, w2, w3]])``; with pins, ``"ba2:" + base85(msgpack([run, batch, start,
-end, resume, packed, widths or nil, [registry, incarnation, dedup(, structure)]]))``. Either
+end, resume, packed, widths or nil, [registry, incarnation, dedup(, structure)](,
+[attempt(, since_s)])]))``: a commit that records its attempt uses the ``ba2:`` layout
+even without pins. Either
 way the block list holds three values per block, sorted by table id:
 ``table_id - previous_table_id`` (the first one raw), ``first - start`` and
 ``end - 1 - last``; the varint layout packs them as unsigned LEB128 varints, the
@@ -175,6 +177,16 @@ class Metadata:
     lies inside ``[start, end)`` and ends at or after ``resume`` (a block that ends
     before the resume offset no longer matters and must be left out); at most one
     block per table.
+
+    ``attempt`` names the task attempt that wrote the commit (a random non-zero 32-bit
+    nonce per :class:`~blockagg.aggregator.kafka.fencing.FencedAttempt`; ``0``: not
+    recorded). Two attempts at the same batch plan byte-identical intents otherwise,
+    and an attempt confirms before each insert that the partition's last commit is
+    still *its own*: the nonce is what makes "its own" exact (``docs/protocol.md``,
+    *Fencing*). ``since_s`` is when the earliest first attempt of a block the commit
+    lists may have been sent, in seconds since the epoch (``0``: unknown; never later
+    than the real first send): a replay judges with it whether the server may already
+    have forgotten the block (``replicated_deduplication_window_seconds``).
     """
 
     run: int
@@ -184,10 +196,16 @@ class Metadata:
     resume: int
     blocks: tuple[BlockRange, ...] = field(default=())
     pins: Pins = NO_PINS
+    attempt: int = 0
+    since_s: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.run < 2**64:
             raise MetadataError(f"run id must fit in 64 bits unsigned, got {self.run}")
+        if not 0 <= self.attempt < 2**32:
+            raise MetadataError(f"attempt must fit in 32 bits unsigned, got {self.attempt}")
+        if not 0 <= self.since_s < 2**40:
+            raise MetadataError(f"since_s must be seconds since the epoch, got {self.since_s}")
         if not 0 <= self.batch < 2**63:
             raise MetadataError(f"batch id must be >= 0, got {self.batch}")
         if not 0 <= self.start <= self.resume <= self.end <= _MAX_OFFSET:
@@ -373,9 +391,11 @@ def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     header = [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume]
     pins = metadata.pins
     tail: list[object] = []
-    if pins != NO_PINS:
+    if pins != NO_PINS or metadata.attempt or metadata.since_s:
         tail = [[pins.registry, pins.incarnation, int(pins.dedup),
                  *([pins.structure] if pins.structure else [])]]
+    if metadata.attempt or metadata.since_s:
+        tail.append([metadata.attempt, *([metadata.since_s] if metadata.since_s else [])])
     varints = msgpack.packb([*header, _pack_varints(fields), *([None] if tail else []), *tail],
                             use_bin_type=True)
     packed, widths = _pack_bits(fields)
@@ -411,10 +431,14 @@ def decode(text: str) -> Metadata:
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise MetadataDecodeError(f"corrupt metadata body: {exc}") from exc
     pins = NO_PINS
+    attempt = since_s = 0
     if pinned:
-        if not isinstance(fields, list) or len(fields) != 8:
+        if not isinstance(fields, list) or len(fields) not in (8, 9):
             raise MetadataDecodeError(
-                f"expected 8 fields in a {PREFIX_PINNED!r} metadata body, got {fields!r:.80}")
+                f"expected 8 or 9 fields in a {PREFIX_PINNED!r} metadata body, got "
+                f"{fields!r:.80}")
+        if len(fields) == 9:
+            attempt, since_s = _decode_attempt(fields.pop())
         pins = _decode_pins(fields.pop())
         if fields[6] is None:
             fields.pop()
@@ -441,11 +465,21 @@ def decode(text: str) -> Metadata:
                 accumulate(deltas), values[1::3], values[2::3], strict=True
             )
         ]
-        return Metadata(run, batch, start, end, resume, tuple(blocks), pins)
+        return Metadata(run, batch, start, end, resume, tuple(blocks), pins, attempt, since_s)
     except MetadataDecodeError:
         raise
     except MetadataError as exc:
         raise MetadataDecodeError(f"metadata violates the contract: {exc}") from exc
+
+
+def _decode_attempt(raw: object) -> tuple[int, int]:
+    if (
+        not isinstance(raw, list)
+        or len(raw) not in (1, 2)
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in raw)
+    ):
+        raise MetadataDecodeError(f"bad attempt in the metadata body: {raw!r:.80}")
+    return raw[0], raw[1] if len(raw) == 2 else 0
 
 
 def _decode_pins(raw: object) -> Pins:

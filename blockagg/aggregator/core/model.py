@@ -73,7 +73,10 @@ class Block:
     ``positions`` index the batch's arrays. ``token`` is the deduplication token, a
     pure function of (topic incarnation, topic, partition, table, first, last), so a
     retried block carries the same one. ``replay`` is True when the block is rebuilt from the
-    committed metadata rather than newly formed.
+    committed metadata rather than newly formed; ``since_s`` is then when its first
+    attempt may have been sent, at the earliest (the intent's ``Metadata.since_s``,
+    seconds since the epoch; ``0``: unknown), so the writer can tell a replay the server
+    may have forgotten (``docs/protocol.md``, *Limits*).
     """
 
     topic: str
@@ -87,6 +90,7 @@ class Block:
     size: int
     token: str
     replay: bool = False
+    since_s: int = 0
 
     @property
     def messages(self) -> int:
@@ -131,9 +135,11 @@ class MetadataStore(Protocol):
 class Fence(Protocol):
     """One attempt's hold on a partition (invariant 6): ``confirm`` raises unless the
     partition's last commit is still the intent this attempt wrote, so an attempt that
-    a newer one has overtaken inserts nothing (``aggregator.kafka.fencing``)."""
+    a newer one has overtaken inserts nothing (``aggregator.kafka.fencing``). It returns
+    the (monotonic) time at which the read that confirmed began: the attempt was the
+    partition's only writer then, and the sink judges its send's lateness from it."""
 
-    def confirm(self, topic: str, partition: int) -> None: ...
+    def confirm(self, topic: str, partition: int) -> float: ...
 
 
 class Lanes(Protocol):
@@ -158,7 +164,9 @@ class BlockSink(Protocol):
     (block deduplication), which is what makes retries safe.
     """
 
-    def insert(self, block: Block, batch: Batch) -> None: ...
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
+        """``confirmed_at``: what the fence's ``confirm`` returned before this insert
+        (``None`` without a fence)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -321,6 +321,8 @@ def _operations(
     thresholds: Thresholds,
     run: int,
     batch_id: int,
+    attempt: int,
+    now_s: int,
 ) -> list[Operation]:
     n = len(batch)
     blocks = formation.blocks
@@ -336,8 +338,9 @@ def _operations(
     operations: list[Operation] = []
 
     def commit(offset: int, listed: list[BlockRange]) -> None:
+        since = min((_first_sent(latest[b.table_id], now_s) for b in listed), default=0)
         metadata = Metadata(run, batch_id, batch.start, batch.end, offset, tuple(listed),
-                            batch.pins)
+                            batch.pins, attempt, since)
         text = encode(metadata, thresholds.max_metadata_bytes)
         operations.append(CommitMetadata(batch.topic, batch.partition, offset, metadata, text))
 
@@ -371,6 +374,13 @@ def _operations(
         index = stop
     commit(batch.end, [])
     return operations
+
+
+def _first_sent(block: Block, now_s: int) -> int:
+    """When ``block``'s first attempt may have been sent, at the earliest: its intent's
+    time for a replay block (``0`` when that intent did not record one), else now (the
+    plan is made before any of its sends)."""
+    return block.since_s if block.replay else now_s
 
 
 def _without_abandoned(batch: Batch) -> tuple[Batch, int]:
@@ -419,8 +429,17 @@ def plan_batch(
     thresholds: Thresholds,
     run: int,
     batch_id: int,
+    *,
+    attempt: int = 0,
+    now_s: int = 0,
 ) -> Plan:
     """Decide everything the protocol does for ``batch``, or refuse it.
+
+    ``attempt`` is the nonce of the attempt that will run the plan, written into every
+    commit so that its confirms recognise its own commits and no other attempt's
+    (``Metadata.attempt``); ``now_s`` is the wall-clock time, in seconds since the
+    epoch, recorded as the first send of the blocks the plan forms
+    (``Metadata.since_s``). Both only label commits: the blocks do not depend on them.
 
     Raises a :class:`BatchRefused` subclass, :class:`MetadataDecodeError` or
     :class:`MetadataTooLarge` before any operation exists, so a refused batch leaves
@@ -451,7 +470,13 @@ def plan_batch(
     _refuse_abandoned_inside_dead_letters(batch, resumption.blocks, replay)
     formation = form_blocks(batch, resume, replay, thresholds)
     formation = replace(formation, delivered=formation.delivered + abandoned)
-    operations = _operations(batch, resume, formation, thresholds, run, batch_id)
+    since = resumption.metadata.since_s if resumption.metadata is not None else 0
+    if since and replay:
+        formation = replace(formation, blocks=tuple(
+            replace(block, since_s=since) if block.replay else block
+            for block in formation.blocks))
+    operations = _operations(batch, resume, formation, thresholds, run, batch_id, attempt,
+                             now_s)
     return Plan(
         batch=batch,
         resume=resume,
@@ -509,9 +534,10 @@ def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink,
 
     def insert(block: Block) -> Callable[[], None]:
         def run() -> None:
+            confirmed_at = None
             if fence is not None:
-                fence.confirm(batch.topic, batch.partition)
-            sink.insert(block, batch)
+                confirmed_at = fence.confirm(batch.topic, batch.partition)
+            sink.insert(block, batch, confirmed_at)
         return run
 
     for step in steps(protocol):
@@ -554,9 +580,12 @@ def process_batch(
     batch_id: int,
     fence: Fence | None = None,
     lanes: Lanes = SERIAL,
+    *,
+    attempt: int = 0,
+    now_s: int = 0,
 ) -> BatchReport:
     """Read the partition's last commit, plan the batch and run it: the whole protocol
-    for one partition of one micro-batch."""
+    for one partition of one micro-batch (``attempt``, ``now_s``: see :func:`plan_batch`)."""
     committed = store.committed(batch.topic, batch.partition)
-    return run_batch(plan_batch(batch, committed, thresholds, run, batch_id), store, sink,
-                     fence, lanes)
+    return run_batch(plan_batch(batch, committed, thresholds, run, batch_id, attempt=attempt,
+                                now_s=now_s), store, sink, fence, lanes)

@@ -15,7 +15,10 @@ Every metadata commit of one partition goes through a transactional producer who
    broker: :class:`AttemptFenced`;
 4. before each insert, :meth:`FencedAttempt.confirm` reads the partition's last commit
    again and refuses unless it is still the intent this attempt wrote: an older attempt
-   whose partition moved on inserts nothing.
+   whose partition moved on inserts nothing. Every commit carries the attempt's own
+   nonce (``Metadata.attempt``, :attr:`FencedAttempt.nonce`), because a retry of the
+   same task plans a byte-identical intent: without the nonce, an attempt stalled
+   before its confirm would take a newer attempt's identical intent for its own.
 
 The metadata group stays member-less: the transactional offset commit carries
 generation ``-1`` and no member id, which the group coordinator accepts for a group
@@ -29,6 +32,7 @@ confirm and its insert) is covered by ClickHouse's block deduplication:
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -60,6 +64,16 @@ _ABANDONED: list[Any] = []
 its threads, which may hang the same way); a newer attempt has fenced each of them."""
 
 R = TypeVar("R")
+
+NONCE_FLOOR: Final = 2**31
+"""Nonces lie in ``[2**31, 2**32)``: never 0 ("not recorded"), and always five bytes in
+the metadata, so a commit re-encoded with another attempt's nonce keeps its length."""
+
+
+def new_nonce() -> int:
+    """A fresh attempt nonce: unpredictable, so two attempts share one with probability
+    2**-31 (each pair), and nothing else can be asked to match."""
+    return NONCE_FLOOR + secrets.randbelow(NONCE_FLOOR)
 
 
 class CallHung(Exception):
@@ -160,6 +174,9 @@ class FencedAttempt:
 
     Creating it fences every older attempt at the partition (see the module doc), so
     create it before reading anything the batch depends on. ``close()`` when done.
+    Plan the attempt's commits with :attr:`nonce` (``plan_batch(..., attempt=nonce)``):
+    :meth:`confirm` accepts only a last commit that is this attempt's own, by its text,
+    which the nonce makes unique to the attempt.
     ``transaction_timeout_ms`` bounds how long an attempt stalled inside a commit's
     transaction keeps it open (a read of the partition's commit waits for it until the
     coordinator aborts it, or a newer attempt does): a commit takes milliseconds.
@@ -178,8 +195,10 @@ class FencedAttempt:
         sleep: Callable[[float], None] = time.sleep,
         hang_grace_s: float = HUNG_CALL_GRACE_S,
         idle: IdleProducers | None = None,
+        nonce: int | None = None,
     ) -> None:
         self.store = store
+        self.nonce = new_nonce() if nonce is None else nonce
         self.topic = topic
         self.partition = partition
         self.transactional_id = transactional_id(store.group_id, topic, partition)
@@ -193,6 +212,7 @@ class FencedAttempt:
         self._confirm_lock = threading.Lock()
         self._reads_begun = 0
         self._confirmed_by = 0
+        self._confirmed_at = 0.0
         self._idle = idle
         self._reusable = True
         self.reused = False
@@ -342,10 +362,15 @@ class FencedAttempt:
                     from exc
             # No transaction in progress (it failed before beginning): nothing to abort.
 
-    def confirm(self, topic: str, partition: int) -> None:
+    def confirm(self, topic: str, partition: int) -> float:
         """Raise :class:`AttemptFenced` unless the partition's last commit is still the
         one this attempt wrote: called before each insert, so an attempt whose partition
-        has moved on (a newer attempt committed since) inserts nothing.
+        has moved on (a newer attempt committed since, identical text or not: each
+        commit carries its attempt's nonce) inserts nothing.
+
+        Returns when (``store.clock``) the read that confirmed began: the last moment
+        this attempt is known to have been the partition's only writer, from which the
+        writer judges how late its send is (``docs/protocol.md``, *The residual window*).
 
         Safe from several insert lanes at once: callers that arrive while a read is in
         flight share the next read, which begins after they asked, so every insert is
@@ -354,11 +379,14 @@ class FencedAttempt:
         asked = self._reads_begun
         with self._confirm_lock:
             if self._confirmed_by > asked:
-                return
+                return self._confirmed_at
             self._reads_begun += 1
             read = self._reads_begun
+            began = self.store.clock()
             self._read_and_compare(topic, partition)
             self._confirmed_by = read
+            self._confirmed_at = began
+            return began
 
     def _read_and_compare(self, topic: str, partition: int) -> None:
         last = self.store.committed(topic, partition)

@@ -41,7 +41,7 @@ class Sink:
     def __init__(self) -> None:
         self.blocks: list[Block] = []
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         self.blocks.append(block)
 
 

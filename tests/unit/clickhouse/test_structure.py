@@ -13,7 +13,11 @@ from typing import Any
 import pytest
 from google.protobuf.descriptor import Descriptor
 
-from blockagg.aggregator.clickhouse.exceptions import InsertFailed, ReplayAcrossAlter
+from blockagg.aggregator.clickhouse.exceptions import (
+    InsertFailed,
+    ReplayAcrossAlter,
+    ReplayBeyondDedupAge,
+)
 from blockagg.aggregator.clickhouse.structure import (
     StructureCache,
     columns_state,
@@ -276,3 +280,95 @@ def test_a_late_first_attempt_is_checked_like_a_resend(sample: Descriptor) -> No
 
     assert first_send(LATE_FIRST_SEND_S + 60) == []
     assert len(first_send(0.5)) == 1
+
+
+def test_a_first_send_is_judged_late_from_its_confirm_not_from_the_insert(
+        sample: Descriptor) -> None:
+    """Issue 25, path 1: lateness counts from the fence's confirming read (the last
+    moment the attempt was the partition's only writer), so a stall between the
+    confirm and the writer's own start is measured too."""
+    batch, block = sample_batch(sample)
+    batch = dataclasses.replace(batch, pins=Pins(dedup=DedupMode.BLOCK_HASH, structure=12))
+
+    def first_send(confirmed_ago: float) -> list[Any]:
+        log: list[Any] = []
+        writer = make_writer({}, log, insert_quorum=2, max_attempts=3)
+        writer._clock = lambda: 1_000.0
+        Replicas(ZooKeeper(r1=60), {"a": 3, "b": 3}).patch(writer)
+        writer.insert(block, batch, 1_000.0 - confirmed_ago)
+        return log
+
+    assert first_send(LATE_FIRST_SEND_S + 60) == []
+    assert len(first_send(0.5)) == 1
+
+
+def expired_replay(sample: Descriptor, landed: dict[str, Any], *, age_s: int,
+                   window_s: int | None = 3_600, version: str = "18.16.1",
+                   coordinates: bool = True, **kw: Any) -> list[Any]:
+    """Replay ``sample_batch``'s block, first sent ``age_s`` ago, into ``db.t`` whose
+    ``replicated_deduplication_window_seconds`` is ``window_s`` (``None``: the server's
+    default, 7 days), its columns unchanged; the log of inserts actually sent."""
+    batch, block = sample_batch(sample)
+    dedup = DedupMode.TOKEN if version.startswith("24") else DedupMode.BLOCK_HASH
+    batch = dataclasses.replace(batch, pins=Pins(dedup=dedup, structure=12))
+    block = dataclasses.replace(block, replay=True, since_s=1_000_000 - age_s)
+    settings = "" if window_s is None else (
+        f" SETTINGS replicated_deduplication_window_seconds = {window_s}")
+    script: dict[str, Any] = {
+        "SHOW CREATE TABLE db.t": [(
+            "CREATE TABLE db.t (i64 Int64) ENGINE = ReplicatedMergeTree('/t', '{replica}') "
+            f"ORDER BY i64{settings}",)],
+        "SELECT value FROM system.merge_tree_settings WHERE name = %(n)s": [("604800",)]}
+    log: list[Any] = []
+    writer = make_writer(script, log, version=version, insert_quorum=2, max_attempts=3, **kw)
+    writer._wall_clock = lambda: 1_000_000.0
+    Replicas(ZooKeeper(), landed).patch(writer)
+    if not coordinates:
+        real = writer.block_data
+
+        def without(*args: Any, **kwargs: Any) -> Any:
+            data = real(*args, **kwargs)
+            return dataclasses.replace(data, names=tuple(
+                n for n in data.names if not n.startswith("_")))
+
+        writer.block_data = without  # type: ignore[method-assign]
+    writer.insert(block, batch)
+    return log
+
+
+@pytest.mark.parametrize("version", ["18.16.1", "24.8.1.1"])
+def test_a_replay_older_than_the_dedup_age_is_sent_only_if_none_of_its_rows_is_stored(
+        sample: Descriptor, version: str) -> None:
+    """Issue 25, path 6: after downtime longer than the table's
+    ``replicated_deduplication_window_seconds`` the server no longer recognises a
+    landed block (by hash or by token), so the replay is settled by its rows."""
+    assert expired_replay(sample, {"a": 3, "b": 3}, age_s=7_200, version=version) == []
+    assert len(expired_replay(sample, {"a": 0, "b": 0}, age_s=7_200, version=version)) == 1
+    # Within the age (less the clocks' margin) the server still knows it: sent unchecked.
+    assert len(expired_replay(sample, {"a": 3, "b": 3}, age_s=3_000, version=version)) == 1
+    # The server's default age (7 days) applies when the table sets none.
+    assert len(expired_replay(sample, {"a": 3, "b": 3}, age_s=86_400, window_s=None,
+                              version=version)) == 1
+    assert expired_replay(sample, {"a": 3, "b": 3}, age_s=8 * 86_400, window_s=None,
+                          version=version) == []
+
+
+def test_an_expired_replay_without_coordinates_is_refused_in_one_line(
+        sample: Descriptor) -> None:
+    with pytest.raises(ReplayBeyondDedupAge) as info:
+        expired_replay(sample, {}, age_s=7_200, coordinates=False)
+    text = str(info.value)
+    for part in ("db.t top[0] [10, 11]", "7200 s old",
+                 "replicated_deduplication_window_seconds = 3600", "Nothing was sent",
+                 "arv audit", "clickhouse.expired_replay"):
+        assert part in text, part
+    assert "\n" not in text
+    assert len(expired_replay(sample, {}, age_s=7_200, coordinates=False,
+                              expired_replay="insert")) == 1
+    assert expired_replay(sample, {}, age_s=7_200, coordinates=False,
+                          expired_replay="skip") == []
+
+
+def test_a_replay_whose_intent_has_no_time_is_not_judged_by_age(sample: Descriptor) -> None:
+    """Intents written before they recorded a time (``since_s = 0``) replay as before."""
+    assert len(expired_replay(sample, {"a": 3, "b": 3}, age_s=1_000_000)) == 1

@@ -14,6 +14,7 @@ from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
 from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
 from blockagg.aggregator.clickhouse.exceptions import (
     AlterNotApplied,
+    CoordinatesMissing,
     DedupNotConfigured,
     DedupWindowTooSmall,
     InsertFailed,
@@ -228,17 +229,53 @@ def test_check_refuses_plain_mergetree() -> None:
         writer.check_tables(["db.t"])
 
 
+ALLOWED = frozenset({"db.t"})
+"""db.t (no coordinate columns) accepted on 18.16, for tests about something else."""
+
+
 def test_check_accepts_window_and_warns_about_coordinates() -> None:
     script = _check_script(
         "MergeTree", "CREATE TABLE db.t ... SETTINGS non_replicated_deduplication_window = 5")
     need = DedupNeed(max_offsets_per_trigger=4)
     with pytest.raises(DedupWindowTooSmall, match=r"table db\.t: "
                        r"non_replicated_deduplication_window = 5 is below the 8 blocks"):
-        make_writer(script, []).check_tables(["db.t"], need)
-    warnings = make_writer(script, []).check_tables(["db.t"], need, allow_small_window=True)
+        make_writer(script, [], allow_without_coordinates=ALLOWED).check_tables(["db.t"], need)
+    warnings = make_writer(script, [], allow_without_coordinates=ALLOWED).check_tables(
+        ["db.t"], need, allow_small_window=True)
     assert any("_topic" in w for w in warnings)
     assert any("= 5 is below the 8 blocks" in w for w in warnings)
-    assert make_writer(script, []).check_tables(["db.t"], DedupNeed(2))[1:] == []
+    assert make_writer(script, [], allow_without_coordinates=ALLOWED).check_tables(
+        ["db.t"], DedupNeed(2))[1:] == []
+
+
+def test_a_table_without_coordinates_is_refused_on_a_content_hash_server() -> None:
+    """Issue 25: on 18.16 two different blocks with equal rows are one block, and the
+    second is lost: the table is refused, naming it and the columns to add, unless
+    clickhouse.allow_tables_without_coordinates lists it (then a warning). A server
+    with insert_deduplication_token keeps them apart by the token: a warning only."""
+    script = _check_script("ReplicatedMergeTree", "")
+    with pytest.raises(CoordinatesMissing) as info:
+        make_writer(script, []).check_tables(["db.t"])
+    text = str(info.value)
+    assert isinstance(info.value, DedupNotConfigured) and "\n" not in text
+    assert text.startswith("table db.t has no _topic, _partition, _offset column(s): "
+                           "ClickHouse 18.16.1 deduplicates by content hash"), text
+    assert "ADD COLUMN _topic String, ADD COLUMN _partition UInt32, ADD COLUMN _offset " \
+        "UInt64" in text
+    assert 'clickhouse.allow_tables_without_coordinates = ["db.t"]' in text
+    with pytest.raises(CoordinatesMissing):
+        make_writer(script, [], allow_without_coordinates=frozenset({"db.other"})
+                    ).check_tables(["db.t"])
+    [accepted] = make_writer(script, [], allow_without_coordinates=ALLOWED).check_tables(["db.t"])
+    assert "accepted by clickhouse.allow_tables_without_coordinates" in accepted
+    [token] = make_writer(script, [], version="22.3.1").check_tables(["db.t"])
+    assert "insert_deduplication_token" in token and "arv audit" in token
+    assert make_writer(script, [], dead_letter_table="db.t").check_tables(["db.t"]) == []
+    with_columns = {**script, "SELECT name, type, default_kind, default_expression FROM "
+                    "system.columns WHERE database = %(db)s AND table = %(t)s": [
+                        ("x", "Int64", "", ""), ("_topic", "String", "", ""),
+                        ("_partition", "UInt32", "", ""), ("_offset", "UInt64", "", "")]}
+    assert make_writer(with_columns, []).check_tables(["db.t"]) == []
 
 
 def test_check_refuses_profile_and_distributed() -> None:
@@ -247,7 +284,8 @@ def test_check_refuses_profile_and_distributed() -> None:
             ["db.t"])
     with pytest.raises(DedupNotConfigured, match="Distributed"):
         make_writer(_check_script("Distributed", ""), []).check_tables(["db.t"])
-    assert make_writer(_check_script("ReplicatedMergeTree", ""), []).check_tables(["db.t"])
+    assert make_writer(_check_script("ReplicatedMergeTree", ""), [],
+                       allow_without_coordinates=ALLOWED).check_tables(["db.t"])
 
 
 QUORUM_286 = ("Quorum for previous write has not been satisfied yet. Status: version: 1\n"

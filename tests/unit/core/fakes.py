@@ -104,7 +104,7 @@ class DedupSink:
     inserted: list[Block] = field(default_factory=list)
     deduplicated: list[Block] = field(default_factory=list)
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         recent = self.tokens.setdefault(block.table, deque(maxlen=self.window))
         if block.token in recent:
             self.deduplicated.append(block)
@@ -154,7 +154,7 @@ class Crasher:
         self._crash_if(after=True)
         self.count += 1
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         self._crash_if(after=False)
         self.sink.insert(block, batch)
         self._crash_if(after=True)

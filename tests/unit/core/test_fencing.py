@@ -185,6 +185,60 @@ def test_a_zombie_resumed_after_a_newer_attempt_stores_nothing_twice() -> None:
     assert last is not None and last.offset == 40
 
 
+def test_a_stalled_attempt_fails_its_confirm_after_a_retrys_identical_intent() -> None:
+    """Issue 25, path 1: attempt A commits its intent and stalls before its confirm;
+    Spark's retry B of the same task plans the same batch, so its replay intent is A's
+    text but for the attempt nonce; B inserts and dies before its next commit. A then
+    resumes: its confirm must fail, since the last commit is B's, not its own (without
+    the nonce the two texts are byte-identical and A inserted again, which an ALTER in
+    between turns into a second copy on a content-hash server)."""
+    coordinator = Coordinator()
+    _, attempt = store_and_opener(coordinator)
+    messages = [(i, 1 + i % 3, 1) for i in range(12)]
+    batch = make_batch(messages, start=0, end=12)
+    thresholds = Thresholds(max_rows=100, max_bytes=10**9, max_metadata_bytes=4096)
+    sink = DedupSink(window=10**6)
+
+    a = attempt(batch.topic, batch.partition)
+    plan_a = plan_batch(batch, a.committed(batch.topic, batch.partition), thresholds, 1, 1,
+                        attempt=a.nonce)
+    intent_a = plan_a.operations[0]
+    assert isinstance(intent_a, CommitMetadata)
+    a.commit(batch.topic, batch.partition, intent_a.offset, intent_a.text)
+    # A stalls; B (same run, batch, range and pins) replays A's intent:
+    b = attempt(batch.topic, batch.partition)
+    plan_b = plan_batch(batch, b.committed(batch.topic, batch.partition), thresholds, 1, 1,
+                        attempt=b.nonce)
+    intent_b, first_b = plan_b.operations[:2]
+    assert isinstance(intent_b, CommitMetadata) and isinstance(first_b, InsertBlock)
+    assert intent_b.metadata.blocks == intent_a.metadata.blocks
+    assert intent_b.offset == intent_a.offset and intent_b.text != intent_a.text
+    assert replace(decode(intent_b.text), attempt=a.nonce) == decode(intent_a.text)
+    run_batch(replace(plan_b, operations=plan_b.operations[:2]), b, sink, b)
+    # ... B dies before its next commit; A resumes with its confirm and insert:
+    with pytest.raises(AttemptFenced, match="no longer this attempt's intent"):
+        run_batch(replace(plan_a, operations=plan_a.operations[1:]), a, sink, a)
+    assert len(sink.inserted) == 1 and not sink.deduplicated
+
+
+def test_the_confirm_returns_when_its_read_began() -> None:
+    """The writer judges a send's lateness from the confirming read's start: the last
+    moment the attempt was known to be the partition's only writer."""
+    coordinator = Coordinator()
+    now = [0.0]
+    store = KafkaMetadataStore({"bootstrap.servers": "b:9092", "group.id": "g"},
+                               consumer_factory=lambda _: GroupConsumer(coordinator),
+                               clock=lambda: now[0])
+    one = FencedAttempt(store, "t", 0, sleep=lambda _: None, nonce=7,
+                        producer_factory=lambda s: TxnProducer(coordinator, s))
+    assert one.nonce == 7
+    one.commit("t", 0, 5, "ba1:x")
+    now[0] = 100.0
+    assert one.confirm("t", 0) == 100.0
+    now[0] = 150.0
+    assert one.confirm("t", 0) == 150.0
+
+
 @dataclass(frozen=True)
 class Stalls:
     messages: list[Message]
@@ -215,17 +269,20 @@ def stalls(draw: st.DrawFn) -> Stalls:
 
 
 def _resume_zombie(zombie: FencedAttempt, rest: Plan, coordinator: Coordinator,
-                   sink: DedupSink) -> None:
+                   sink: DedupSink, stalled_after: int) -> None:
     """Run a stalled attempt's remaining operations after a newer attempt opened: it is
-    refused before any commit of it lands, and inserts at most blocks the partition's
-    last commit lists (before the newer attempt has committed anything)."""
+    refused before any commit of it lands, inserts at most blocks the partition's last
+    commit lists, and nothing at all once another attempt has committed since it
+    stalled (``stalled_after`` commits then), even a byte-identical replay intent."""
     commits = len(coordinator.history)
     inserted, deduplicated = len(sink.inserted), len(sink.deduplicated)
     last = decode(coordinator.offsets[("events", 0)][1])
     with pytest.raises(AttemptFenced):
         run_batch(rest, zombie, sink, zombie)
     assert len(coordinator.history) == commits
-    for block in [*sink.inserted[inserted:], *sink.deduplicated[deduplicated:]]:
+    late = [*sink.inserted[inserted:], *sink.deduplicated[deduplicated:]]
+    assert not (late and commits > stalled_after), "a zombie inserted after a newer commit"
+    for block in late:
         listed = last.block_of(block.table_id)
         assert listed is not None and (listed.first, listed.last) == (block.first, block.last)
 
@@ -244,35 +301,38 @@ def test_stalled_attempts_resumed_later_change_nothing(scenario: Stalls) -> None
     sink = DedupSink(window=10**6)
     log_end = scenario.messages[-1][0] + 1
     stalled_at = {step: (done, wait, early) for step, done, wait, early in scenario.stalls}
-    zombies: list[tuple[int, bool, FencedAttempt, Plan]] = []
+    zombies: list[tuple[int, bool, FencedAttempt, Plan, int]] = []
     for step in range(200):
         current = attempt("events", 0)
         committed = current.committed("events", 0)
         for zombie in [z for z in zombies if z[0] == step and z[1]]:
             zombies.remove(zombie)
-            _resume_zombie(zombie[2], zombie[3], coordinator, sink)
+            _resume_zombie(zombie[2], zombie[3], coordinator, sink, zombie[4])
         resume = 0 if committed is None else committed.offset
         if resume >= log_end:
             for zombie in list(zombies):
-                _resume_zombie(zombie[2], zombie[3], coordinator, sink)
+                _resume_zombie(zombie[2], zombie[3], coordinator, sink, zombie[4])
             break
         end = min(log_end, resume + scenario.sizes[step % len(scenario.sizes)])
         batch = make_batch(scenario.messages, resume, max(end, resume + 1))
         try:
-            plan = plan_batch(batch, committed, scenario.thresholds, 1, step)
+            plan = plan_batch(batch, committed, scenario.thresholds, 1, step,
+                              attempt=current.nonce)
         except BatchEndsInsideReplayBlock:
             batch = make_batch(scenario.messages, resume, log_end)
-            plan = plan_batch(batch, committed, scenario.thresholds, 1, step)
+            plan = plan_batch(batch, committed, scenario.thresholds, 1, step,
+                              attempt=current.nonce)
         if step in stalled_at and len(plan.operations) > stalled_at[step][0]:
             done, wait, early = stalled_at[step]
             run_batch(replace(plan, operations=plan.operations[:done]), current, sink, current)
             zombies.append((step + 1 + wait, early, current,
-                            replace(plan, operations=plan.operations[done:])))
+                            replace(plan, operations=plan.operations[done:]),
+                            len(coordinator.history)))
         else:
             run_batch(plan, current, sink, current)
         for zombie in [z for z in zombies if z[0] <= step]:
             zombies.remove(zombie)
-            _resume_zombie(zombie[2], zombie[3], coordinator, sink)
+            _resume_zombie(zombie[2], zombie[3], coordinator, sink, zombie[4])
     else:
         raise AssertionError("not delivered within 200 batches")
     assert sink.rows == expected_rows(scenario.messages)

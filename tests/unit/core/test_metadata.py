@@ -243,3 +243,27 @@ def test_the_limit_leaves_room_for_the_clients_trailing_nul() -> None:
     with pytest.raises(MetadataTooLarge):
         encode(metadata_of_length(4096))
     assert len(encode(metadata_of_length(4094))) == 4094
+
+
+@settings(max_examples=200, derandomize=True)
+@given(metadatas(), st.integers(min_value=0, max_value=2**32 - 1),
+       st.integers(min_value=0, max_value=2**40 - 1), st.booleans())
+def test_the_attempt_and_its_time_round_trip_with_or_without_pins(
+        metadata: Metadata, attempt: int, since_s: int, pinned: bool) -> None:
+    from dataclasses import replace
+
+    from blockagg.aggregator.core.metadata import Pins
+
+    written = replace(metadata, attempt=attempt, since_s=since_s,
+                      pins=Pins(3, 2**64 - 1, 2, 7) if pinned else metadata.pins)
+    assert decode(encode(written, max_bytes=1 << 20)) == written
+
+
+def test_a_commit_written_before_attempts_were_recorded_still_decodes() -> None:
+    """The ``ba2:`` body of 8 fields (no attempt) is what jobs before the attempt nonce
+    committed; it decodes with ``attempt = since_s = 0``."""
+    from blockagg.aggregator.core.metadata import Pins
+
+    old = encode(Metadata(5, 6, 100, 200, 150, (BlockRange(3, 150, 199),), Pins(1, 2, 1)))
+    decoded = decode(old)
+    assert decoded.attempt == 0 and decoded.since_s == 0 and decoded.pins == Pins(1, 2, 1)

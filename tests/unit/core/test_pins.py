@@ -122,7 +122,7 @@ def _intent(store: MemoryMetadataStore, pins: Pins) -> Committed:
         pass
 
     class DyingSink(DedupSink):
-        def insert(self, block, batch):  # type: ignore[no-untyped-def]
+        def insert(self, block, batch, confirmed_at=None):  # type: ignore[no-untyped-def]
             raise Dies
 
     batch = make_batch(STREAM, 0, 20, pins=pins)

@@ -20,7 +20,7 @@ from blockagg.aggregator.core.exceptions import (
     ReplayBlockMissing,
 )
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
-from blockagg.aggregator.core.model import Thresholds
+from blockagg.aggregator.core.model import Committed, Thresholds
 from blockagg.aggregator.core.protocol import (
     BatchReport,
     CommitMetadata,
@@ -351,3 +351,28 @@ def test_an_abandoned_block_may_span_several_batches() -> None:
         process_batch(batch, store, sink, THRESHOLDS, run=2, batch_id=start)
     assert not sink.duplicates()
     assert set(sink.rows) == set(expected_rows([m for m in routed if m[0] >= 10]))
+
+
+def test_intents_record_the_attempt_and_when_their_blocks_were_first_sent() -> None:
+    """Every commit names its attempt; an intent records when its oldest listed block
+    was first sent: now for blocks the plan forms, the replayed intent's time for the
+    blocks it rebuilds (so a replay of a replay still knows the first send's age)."""
+    from blockagg.aggregator.core.metadata import decode
+    from blockagg.aggregator.core.protocol import CommitMetadata, InsertBlock, plan_batch
+
+    messages = [(i, 1 + i % 2, 1) for i in range(10)]
+    batch = make_batch(messages, 0, 10)
+    thresholds = Thresholds(max_rows=3, max_bytes=10**9)
+    first = plan_batch(batch, None, thresholds, 1, 1, attempt=2**31 + 5, now_s=1_000)
+    commits = [op for op in first if isinstance(op, CommitMetadata)]
+    assert all(decode(c.text).attempt == 2**31 + 5 for c in commits)
+    assert [decode(c.text).since_s for c in commits[:-1]] == [1_000] * (len(commits) - 1)
+    assert decode(commits[-1].text).since_s == 0, "a final commit lists no block"
+    intent = commits[0]
+    retry = plan_batch(batch, Committed(intent.offset, intent.text), thresholds, 1, 1,
+                       attempt=2**31 + 6, now_s=5_000)
+    replayed = [op.block for op in retry if isinstance(op, InsertBlock) and op.block.replay]
+    assert replayed and all(block.since_s == 1_000 for block in replayed)
+    again = [op for op in retry if isinstance(op, CommitMetadata)]
+    assert decode(again[0].text).since_s == 1_000
+    assert decode(again[0].text).attempt == 2**31 + 6

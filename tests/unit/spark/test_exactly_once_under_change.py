@@ -99,6 +99,11 @@ class FakeClient:
         version = self.server.versions[self.host]
         if query == "SELECT version()":
             return [(version,)]
+        if query.startswith("SHOW CREATE TABLE "):
+            return [(f"CREATE TABLE {query.split()[-1]} (x UInt64) ENGINE = "
+                     "ReplicatedMergeTree('/t', '{replica}') ORDER BY x",)]
+        if "system.merge_tree_settings" in query:
+            return [("604800",)]
         assert query.startswith("INSERT INTO "), query
         table = query.split()[2]
         names = [n.strip("`") for n in query[query.index("(") + 1:query.index(")")].split(", ")]
@@ -141,9 +146,9 @@ class Crasher:
         self._step(True)
         self.count += 1
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         self._step(False)
-        self.sink.insert(block, batch)
+        self.sink.insert(block, batch, confirmed_at)
         self._step(True)
         self.count += 1
 

@@ -46,3 +46,27 @@ def test_quiet_partitions_are_recommitted_unchanged_once_per_interval() -> None:
     now[0] += 1
     assert idle.due(partitions) == [("t", 1), ("t", 2)]
     assert idle.due(partitions, busy={("t", 1): object()}) == [("t", 2)]
+
+
+def test_a_recommit_of_an_intent_carries_its_own_attempt_so_a_stalled_task_is_refused() -> None:
+    """Issue 25: the refresher repeats a partition's last intent in a fencing attempt
+    of its own. Repeated byte for byte, it would read to the task that wrote the
+    intent (stalled before a confirm) as still its own commit; under the refresher's
+    nonce the task's confirm fails. Everything the verifier reads stays the same, and
+    so does the length (the broker's limit)."""
+    from dataclasses import replace
+
+    from blockagg.aggregator.core.metadata import BlockRange, Metadata, Pins, decode, encode
+    from blockagg.aggregator.kafka.fencing import new_nonce
+    from blockagg.spark.idle import with_attempt
+
+    intent = Metadata(7, 3, 100, 200, 120, (BlockRange(1, 120, 150),), Pins(5, 9, 1, 4),
+                      attempt=new_nonce(), since_s=1_790_000_000)
+    text = encode(intent)
+    other = new_nonce()
+    again = with_attempt(text, other)
+    assert again != text and len(again) == len(text)
+    assert decode(again) == replace(intent, attempt=other)
+    assert with_attempt("kafka-consumer-groups reset", other) == "kafka-consumer-groups reset"
+    before_nonces = encode(replace(intent, attempt=0, since_s=0))
+    assert with_attempt(before_nonces, other) == before_nonces

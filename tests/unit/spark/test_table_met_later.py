@@ -11,7 +11,7 @@ import pytest
 from blockagg.aggregator.clickhouse.exceptions import DedupWindowTooSmall
 from blockagg.aggregator.config import loads
 from blockagg.spark import task
-from tests.unit.clickhouse.test_writer import _check_script, make_writer
+from tests.unit.clickhouse.test_writer import ALLOWED, _check_script, make_writer
 
 CONFIG = """
 [job]
@@ -40,7 +40,8 @@ def test_a_table_met_after_the_start_is_judged_before_its_first_insert(
     config = loads(CONFIG + extra)
     topic = config.topics[0]
     inserts: list[Any] = []
-    monkeypatch.setattr(task, "describer", lambda c, t: make_writer(_script(2), inserts))
+    monkeypatch.setattr(task, "describer", lambda c, t: make_writer(
+        _script(2), inserts, allow_without_coordinates=ALLOWED))
     if extra:
         assert [c.name for c in task.live_columns(config, topic, "db.t")] == ["x"]
     else:
@@ -48,6 +49,7 @@ def test_a_table_met_after_the_start_is_judged_before_its_first_insert(
                            match=r"table db\.t: replicated_deduplication_window = 2 is "
                                  r"below the 8 blocks"):
             task.live_columns(config, topic, "db.t")
-    monkeypatch.setattr(task, "describer", lambda c, t: make_writer(_script(8), inserts))
+    monkeypatch.setattr(task, "describer", lambda c, t: make_writer(
+        _script(8), inserts, allow_without_coordinates=ALLOWED))
     assert [c.name for c in task.live_columns(config, topic, "db.t")] == ["x"]
     assert inserts == []

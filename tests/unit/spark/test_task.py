@@ -47,7 +47,7 @@ class MemorySink:
     def __init__(self) -> None:
         self.blocks: list[tuple[str, list[int]]] = []
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         self.blocks.append((block.table, [int(batch.offsets[p]) for p in block.positions]))
 
 

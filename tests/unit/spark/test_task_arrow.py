@@ -95,7 +95,7 @@ class RecordingSink:
     def __init__(self) -> None:
         self.payloads: list[tuple[str, list[tuple[int, int, Any]]]] = []
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         out = []
         for p in block.positions:
             payload = batch.payloads[p]

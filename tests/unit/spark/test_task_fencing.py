@@ -22,6 +22,7 @@ class Attempt:
         self.commits = commits
         self.refuse_at = refuse_at
         self.confirms = 0
+        self.nonce = 2**31 + 1
 
     def committed(self, topic: str, partition: int) -> Committed | None:
         self.log.append("read")
@@ -31,12 +32,13 @@ class Attempt:
         self.log.append("commit")
         self.commits[(topic, partition)] = Committed(offset, metadata)
 
-    def confirm(self, topic: str, partition: int) -> None:
+    def confirm(self, topic: str, partition: int) -> float:
         self.confirms += 1
         if self.confirms == self.refuse_at:
             self.log.append("refused")
             raise AttemptFenced(f"{topic}[{partition}]: a newer attempt has started")
         self.log.append("confirm")
+        return 0.0
 
     def close(self) -> None:
         self.log.append("close")
@@ -63,7 +65,7 @@ class LoggingSink:
     def __init__(self, log: list[str]) -> None:
         self.log = log
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         self.log.append("insert")
 
 

@@ -62,7 +62,7 @@ class Sink:
     def __init__(self) -> None:
         self.blocks: dict[str, tuple[Pins, list[Any]]] = {}
 
-    def insert(self, block: Block, batch: Batch) -> None:
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         rows: list[Any] = []
         for p in block.positions.tolist():
             payload = batch.payloads[p]

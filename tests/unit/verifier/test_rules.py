@@ -165,11 +165,49 @@ def test_a_rewind_below_a_reset_is_an_anomaly_not_a_notice() -> None:
     before = md(100, 200, 150, B(1, 150, 199))
     below_reset = md(40, 150, 40, B(1, 40, 149), run=2)
     found = kinds(commit(before), commit("", offset=50), commit(below_reset))
-    assert found == [AnomalyKind.FOREIGN_WRITER, AnomalyKind.BACKWARD]
+    # the resume offset and table 1's block both go below the reset: each is named
+    assert found == [AnomalyKind.FOREIGN_WRITER, AnomalyKind.BACKWARD, AnomalyKind.BACKWARD]
     assert not AnomalyKind.BACKWARD.is_notice
     moved = md(100, 200, 150, B(1, 150, 199))
     assert kinds(commit(moved, offset=160), commit(md(155, 300, 155, run=2))) == [
         AnomalyKind.OFFSET_MISMATCH, AnomalyKind.BACKWARD]
+
+
+def test_a_forward_reset_under_a_checkpoint_behind_is_a_notice_not_backward() -> None:
+    """Issue 25: the group reset forward to 180 while Spark's checkpoint is at 100. The
+    next batch is planned [100, 300); the core leaves [100, 180) out as delivered and
+    consumes from 180, so its commits say start = 100 with resume and blocks at or
+    above 180: nothing lost, nothing duplicated, only the reset's notice."""
+    before = md(100, 200, 150, B(1, 150, 199))
+    intent = md(100, 300, 180, B(1, 180, 260), B(2, 185, 299), run=2)
+    final = md(100, 300, 300, run=2)
+    assert kinds(commit(before), commit("", offset=180), commit(intent), commit(final)) == [
+        AnomalyKind.FOREIGN_WRITER]
+    assert kinds(commit(before), commit("", offset=180), commit(final)) == [
+        AnomalyKind.FOREIGN_WRITER]
+    # the same under an offset moved by a tool that kept blockagg's metadata
+    assert kinds(commit(before, offset=180), commit(intent), commit(final)) == [
+        AnomalyKind.OFFSET_MISMATCH]
+
+
+def test_a_rewind_below_a_forward_reset_is_still_backward() -> None:
+    """Same start as the accepted twin above; what rewinds is the resume offset or a
+    block, below the offset the group was reset to."""
+    before = md(100, 200, 150, B(1, 150, 199))
+    resume_below = md(100, 300, 170, B(1, 180, 260), run=2)
+    assert kinds(commit(resume_below)) == []  # well formed on its own
+    found = kinds(commit(before), commit("", offset=180), commit(resume_below))
+    assert found == [AnomalyKind.FOREIGN_WRITER, AnomalyKind.BACKWARD]
+    block_below = md(100, 300, 175, B(1, 175, 260), run=2)
+    verifier = Verifier()
+    verifier.observe(commit(before))
+    verifier.observe(commit("", offset=180))
+    found_at = verifier.observe(commit(block_below))
+    assert [(a.kind, a.table_id) for a in found_at] == [
+        (AnomalyKind.BACKWARD, None), (AnomalyKind.BACKWARD, 1)]
+    assert "[175, 180)" in found_at[1].detail
+    moved = kinds(commit(before, offset=180), commit(resume_below))
+    assert moved == [AnomalyKind.OFFSET_MISMATCH, AnomalyKind.BACKWARD]
 
 
 def test_past_end() -> None:
@@ -224,3 +262,100 @@ def test_agrees_with_the_protocol_tests_oracle(history: list[Metadata]) -> None:
     names = {"Backward": "backward", "Overlap": "overlap", "Gap": "gap", "Invariant5": "gap"}
     expected = Counter(names[text.split(" ", 1)[0]] for text in oracle.anomalies(history))
     assert Counter(k.value for k in kinds(*(commit(m) for m in history))) == expected
+
+
+@st.composite
+def reset_scenarios(draw: st.DrawFn) -> dict[str, object]:
+    messages = []
+    offset = draw(st.integers(0, 3))
+    for _ in range(draw(st.integers(1, 50))):
+        messages.append((offset, draw(st.integers(0, 3)), draw(st.integers(1, 3))))
+        offset += draw(st.sampled_from([1, 1, 1, 2]))
+    return {
+        "messages": messages,
+        "log_end": offset + draw(st.integers(0, 2)),
+        "max_rows": draw(st.integers(1, 8)),
+        "sizes": draw(st.lists(st.integers(1, 30), min_size=1, max_size=6)),
+        # per step: (reset forward by this many offsets (0: none), keep blockagg's
+        # metadata with the moved offset instead of a foreign commit, crash at op / None)
+        "steps": draw(st.lists(st.tuples(st.sampled_from([0, 0, 1, 3, 8, 20]), st.booleans(),
+                                         st.none() | st.integers(0, 12)),
+                               min_size=1, max_size=12)),
+    }
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(reset_scenarios())
+def test_the_cores_history_under_forward_resets_and_a_checkpoint_behind_is_accepted(
+        scenario: dict[str, object]) -> None:
+    """The core itself writes the history: a stream delivered batch by batch, the
+    group's offset moved forward at random points (a foreign commit, or a tool moving
+    the offset under blockagg's metadata) while Spark's checkpoint stays behind, so the
+    next batches are planned from below the new offset, with crashes retried on the
+    same range. Every row outside the acknowledged ranges lands exactly once, none
+    twice, and the verifier reports each reset once (a foreign_writer notice or the
+    offset_mismatch of the moved commit) and nothing else."""
+    from blockagg.aggregator.core.exceptions import BatchEndsInsideReplayBlock
+    from blockagg.aggregator.core.metadata import decode, is_blockagg
+    from blockagg.aggregator.core.model import Thresholds
+    from blockagg.aggregator.core.protocol import plan_batch
+    from tests.unit.core.fakes import (
+        DedupSink,
+        MemoryMetadataStore,
+        expected_rows,
+        make_batch,
+        run_crashing,
+    )
+
+    messages = scenario["messages"]
+    log_end = scenario["log_end"]
+    sizes = scenario["sizes"]
+    steps = scenario["steps"]
+    assert isinstance(messages, list) and isinstance(log_end, int)
+    assert isinstance(sizes, list) and isinstance(steps, list)
+    assert isinstance(scenario["max_rows"], int)
+    thresholds = Thresholds(max_rows=scenario["max_rows"], max_bytes=10_000)
+    store, sink = MemoryMetadataStore(), DedupSink()
+    checkpoint, resets = 0, 0
+    retry: tuple[int, int] | None = None
+    acknowledged: set[int] = set()
+    for step in range(200):
+        committed = store.committed("events", 0)
+        resume = 0 if committed is None else committed.offset
+        forward, keep, crash_at = steps[step % len(steps)]
+        if retry is None and forward and resume < log_end and step < len(steps):
+            moved = min(log_end, resume + forward)
+            acknowledged.update(range(resume, moved))
+            text = committed.metadata if committed and keep and is_blockagg(
+                committed.metadata) else ""
+            store.commit("events", 0, moved, text)
+            resets += 1
+            resume = moved
+        if resume >= log_end and retry is None:
+            break
+        start, end = retry or (checkpoint, min(log_end, max(checkpoint, resume)
+                                              + sizes[step % len(sizes)]))
+        batch = make_batch(messages, start, end, partition_end=log_end)
+        try:
+            plan = plan_batch(batch, store.committed("events", 0), thresholds, step, step)
+        except BatchEndsInsideReplayBlock:
+            end = log_end
+            batch = make_batch(messages, start, end, partition_end=log_end)
+            plan = plan_batch(batch, store.committed("events", 0), thresholds, step, step)
+        if run_crashing(plan, store, sink, crash_at if step < len(steps) else None):
+            checkpoint, retry = end, None
+        else:
+            retry = (start, end)
+    else:
+        raise AssertionError("not delivered within 200 batches")
+
+    expected = expected_rows([m for m in messages if m[0] not in acknowledged])
+    assert sink.duplicates() == []
+    assert +(expected - sink.rows) == Counter()
+    assert all(key[1] in acknowledged for key in sink.rows - expected)
+    found = Counter(kinds(*(commit(c.metadata, offset=c.offset)
+                            for _, _, c in store.history)))
+    moved = sum(1 for _, _, c in store.history
+                if is_blockagg(c.metadata) and decode(c.metadata).resume != c.offset)
+    assert found == Counter({AnomalyKind.FOREIGN_WRITER: resets - moved,
+                             AnomalyKind.OFFSET_MISMATCH: moved}) - Counter(), found
