@@ -258,10 +258,7 @@ class JobConfig:
     metadata_group_id: str = "blockagg"
     checkpoint_location: str = ""
     trigger_interval: float = 1.0
-    max_offsets_per_trigger: int | None = 50
-    """At most 2 x this many blocks reach a table between a block's first attempt and
-    its replay (``clickhouse.dedup_window``): 50 fits ClickHouse's default window of
-    100. ``None`` (the Python API only) leaves batches unbounded: refused."""
+    max_offsets_per_trigger: int | None = None
     starting_offsets: Literal["earliest", "latest"] = "earliest"
     run_id: int | None = None
     offset_metadata_max_bytes: int = 4096
@@ -831,7 +828,7 @@ def from_dict(
         metadata_group_id=job_t.take("metadata_group_id", _group_id, "blockagg"),
         checkpoint_location=checkpoint,
         trigger_interval=job_t.take("trigger_interval", _duration, 1.0),
-        max_offsets_per_trigger=job_t.take("max_offsets_per_trigger", _int(1), 50),
+        max_offsets_per_trigger=job_t.take("max_offsets_per_trigger", _int(1), None),
         starting_offsets=job_t.take("starting_offsets", _starting, "earliest"),
         run_id=job_t.take("run_id", _int(0, 2**64 - 1), None),
         offset_metadata_max_bytes=job_t.take("offset_metadata_max_bytes", _int(64), 4096),

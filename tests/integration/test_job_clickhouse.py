@@ -493,7 +493,7 @@ port = 0
 
 
 def make_job(tmp: Path, stack_env: dict[str, str], topic: str, database: str,
-             clients: list[Any], max_offsets: int = 50, max_rows: int = 25) -> ChJob:
+             clients: list[Any], max_offsets: int = 60, max_rows: int = 25) -> ChJob:
     """Tables on both replicas, schemas registered with ``ba-schema``, the job TOML."""
     from click.testing import CliRunner
 

@@ -50,7 +50,7 @@ def test_minimal_defaults() -> None:
     assert c.job.metadata_group_id == "blockagg"
     assert c.job.trigger_interval == 1.0
     assert c.job.starting_offsets == "earliest"
-    assert c.job.max_offsets_per_trigger == 50  # 2 x 50 fits the default window 100
+    assert c.job.max_offsets_per_trigger is None
     assert c.blocks.max_rows == 1_000_000
     assert c.topics[0].name == "events"
     assert [str(r) for r in c.topics[0].replicas] == ["ch1:9000", "ch2:9000"]

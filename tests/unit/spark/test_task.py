@@ -153,8 +153,7 @@ def test_live_columns_refuses_a_table_that_would_not_drop_a_retried_block(
     from blockagg.spark import task
 
     class Writer:
-        def check_tables(self, tables: Sequence[str], need: Any = None,
-                         allow_small_window: bool = False) -> list[str]:
+        def check_tables(self, tables: Sequence[str], writers: int = 1) -> list[str]:
             if tables[0] == "db.missing":
                 raise TableNotFound("db.missing does not exist")
             if tables[0] == "db.plain":
