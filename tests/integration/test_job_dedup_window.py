@@ -77,17 +77,18 @@ def _stored_twice(job: ChJob, table: str) -> list[Any]:
 def test_a_window_below_two_blocks_per_partition_refuses_the_start_unless_allowed(
         chjob: ChJob, new_topic: Any) -> None:
     """The grouping item of issue 25 on the real pair: a second topic (2 partitions)
-    lists the shard's replicas as localhost:<one port> where the first lists
-    127.0.0.1:<both ports>. P is 3 + 2 = 5 for both (the servers name one shard), so a
+    lists the shard's replicas as localhost:<port 2>, localhost:<port 1> where the
+    first lists 127.0.0.1:<port 1>, 127.0.0.1:<port 2>. P is 3 + 2 = 5 for both (the servers name one shard), so a
     table with a window of 8 (enough for the first topic's 3 partitions alone, 2 x 3 =
     6) is refused at start, naming the table, the window and the 10 blocks of 5
     partitions; allow_small_dedup_window starts with a warning."""
     narrow = _narrow(chjob, "narrow", 8)
     other = new_topic(partitions=2, prefix="itch2")
-    port = chjob.stack_env["BLOCKAGG_CH_PORTS"].split(",")[1]
+    spelled = ", ".join(f'"localhost:{port}"'
+                        for port in reversed(chjob.stack_env["BLOCKAGG_CH_PORTS"].split(",")))
     text = chjob.config.read_text()
     chjob.config.write_text(text.replace("\n[blocks]", f'\n[[topics]]\nname = "{other}"\n'
-                                         f'replicas = ["localhost:{port}"]\n\n[blocks]', 1))
+                                         f'replicas = [{spelled}]\n\n[blocks]', 1))
     refused = _start(chjob)
     said = refused.stdout + refused.stderr
     assert refused.returncode == 1, said[-5000:]
