@@ -78,10 +78,11 @@ def test_a_window_below_two_blocks_per_partition_refuses_the_start_unless_allowe
         chjob: ChJob, new_topic: Any) -> None:
     """The grouping item of issue 25 on the real pair: a second topic (2 partitions)
     lists the shard's replicas as localhost:<port 2>, localhost:<port 1> where the
-    first lists 127.0.0.1:<port 1>, 127.0.0.1:<port 2>. P is 3 + 2 = 5 for both (the servers name one shard), so a
-    table with a window of 8 (enough for the first topic's 3 partitions alone, 2 x 3 =
-    6) is refused at start, naming the table, the window and the 10 blocks of 5
-    partitions; allow_small_dedup_window starts with a warning."""
+    first lists 127.0.0.1:<port 1>, 127.0.0.1:<port 2>. P is 3 + 2 = 5 for both (the
+    servers name one shard), so a table with a window of 8 (enough for the first
+    topic's 3 partitions alone, 2 x 3 = 6) is refused at start, naming the table, the
+    window and the 10 blocks of 5 partitions; allow_small_dedup_window starts with a
+    warning."""
     narrow = _narrow(chjob, "narrow", 8)
     other = new_topic(partitions=2, prefix="itch2")
     spelled = ", ".join(f'"localhost:{port}"'

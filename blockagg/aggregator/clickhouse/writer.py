@@ -486,9 +486,11 @@ class ClickHouseBlockWriter:
         Raises :class:`DedupNotConfigured` when a table is not ``Replicated*`` and
         has no ``non_replicated_deduplication_window`` > 0, or when the user's
         profile sets ``insert_deduplicate = 0``; :class:`DedupWindowTooSmall` when
-        the window is below ``need`` (``aggregator.clickhouse.dedup_window``; a
-        warning with ``allow_small_window``); :class:`CoordinatesMissing` when a table
-        lacks the Kafka-coordinate columns on a content-hash server
+        the window gives ``need``'s partitions no block each per batch (below ``2 x
+        P``, ``aggregator.clickhouse.dedup_window``; a warning with
+        ``allow_small_window``, as is a share below ``need.expected_blocks``);
+        :class:`CoordinatesMissing` when a table lacks the Kafka-coordinate columns on
+        a content-hash server
         (:meth:`_judge_coordinates`; a warning for the tables
         ``allow_without_coordinates`` lists, and on token servers).
         """
