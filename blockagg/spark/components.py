@@ -13,11 +13,14 @@ from __future__ import annotations
 import importlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.model import BlockSink, Fence, Lanes, MetadataStore
 from blockagg.aggregator.exceptions import BlockaggError
+
+if TYPE_CHECKING:
+    from blockagg.aggregator.clickhouse.dedup_window import DedupWindow
 
 
 class TableRegistry(Protocol):
@@ -32,7 +35,10 @@ class Components(Protocol):
     :func:`spark.task.current_pins` (a test double may leave them out, which leaves
     those pins 0): ``incarnation(config, topic_name) -> int`` (the topic's
     :func:`~aggregator.core.metadata.incarnation_of`) and ``dedup_mode(config,
-    topic) -> DedupMode`` (the shard server's)."""
+    topic) -> DedupMode`` (the shard server's); and, read by
+    :func:`spark.task.block_shares`, ``dedup_windows(config, topic, tables) ->
+    Mapping[str, DedupWindow]`` (without it a batch's blocks are not bounded by the
+    tables' deduplication windows)."""
 
     def store(self, config: Config) -> MetadataStore: ...
 
@@ -115,6 +121,30 @@ class DefaultComponents:
         """The ZooKeeper mark of ``tables``' columns, read before a batch's first
         attempts (``Pins.structure``, ``aggregator.clickhouse.structure``)."""
         return int(describer(config, topic).structure_mark(tables))
+
+    def dedup_windows(self, config: Config, topic: TopicConfig, tables: Sequence[str]
+                      ) -> dict[str, DedupWindow]:
+        """The deduplication window of each of ``tables`` on the shard, as the worker's
+        :func:`describer` last checked it (``spark.task.live_columns`` checks every
+        registered table a batch routes to), checked now when older than ``[schemas]
+        refresh_interval`` or never checked (the dead-letter table): a lowered window
+        reaches long-lived workers. A table that isn't on the shard has none."""
+        from blockagg.aggregator.clickhouse.exceptions import TableNotFound
+
+        writer = describer(config, topic)
+        ttl = config.schemas.refresh_interval
+        found: dict[str, DedupWindow] = {}
+        for table in tables:
+            window = writer.dedup_window(table, ttl)
+            if window is None:
+                try:
+                    writer.check_tables([table])
+                except TableNotFound:
+                    continue
+                window = writer.dedup_window(table)
+            if window is not None:
+                found[table] = window
+        return found
 
 
 def insert_lanes(config: Config) -> Lanes:
@@ -199,9 +229,12 @@ class StaticRegistry:
         return self.tables.get(table)
 
 
-PIN_CAPABILITIES: tuple[str, ...] = ("incarnation", "dedup_mode", "structure_mark")
-"""What the task asks of its components to pin a batch (``spark.task.current_pins``);
-components without one pin nothing there, silently: a hook must forward them."""
+PIN_CAPABILITIES: tuple[str, ...] = ("incarnation", "dedup_mode", "structure_mark",
+                                     "dedup_windows")
+"""What the task asks of its components to pin a batch (``spark.task.current_pins``)
+and to bound its blocks by the deduplication windows (``spark.task.block_shares``);
+components without one pin or bound nothing there, silently: a hook must forward
+them."""
 
 
 def missing_pins(components: object) -> list[str]:

@@ -48,7 +48,12 @@ from typing import Any
 
 from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.deadletter_rate import RateThreshold, RateWindow
-from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
+from blockagg.aggregator.clickhouse.dedup_window import (
+    DedupNeed,
+    expected_blocks,
+    replica_keys,
+    shard_partitions,
+)
 from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
 from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.exceptions import MetadataDecodeError
@@ -200,6 +205,10 @@ class Driver:
             table=dl.table))
         self.idle = IdleRefresher(config.job.idle_commit_interval, time.monotonic)
         self.partitions: set[TopicPartition] = set()
+        self._shard_keys: dict[str, frozenset[str]] | None = None
+        self.shard_partitions: dict[str, int] = {}
+        """``P`` for each topic configuration's label and each topic name read
+        (``aggregator.clickhouse.dedup_window``), counted by :meth:`check_tables`."""
         self.watch = BatchWatch(config.job.batch_timeout)
         self.watchdog = Watchdog(self.watch, self.warn_slow_batch, self.cancel_overrun_batch)
 
@@ -228,16 +237,44 @@ class Driver:
         )
         self.lock.acquire(self.config.job.lock_timeout)
 
-    def dedup_need(self, topic: TopicConfig, partitions: Sequence[TopicPartition]
-                   ) -> DedupNeed:
-        """The deduplication window ``topic``'s shard needs: every partition of every
-        topic on the same replicas may write any of its tables and its dead-letter
-        table (``aggregator.clickhouse.dedup_window``)."""
-        shard = set(topic.replicas)
-        on_shard = sum(1 for name, _ in partitions
-                       if set(self.config.topic_for(name).replicas) == shard)
-        return DedupNeed(on_shard, self.config.job.max_offsets_per_trigger,
-                         self.config.blocks.max_rows)
+    def shard_keys(self) -> dict[str, frozenset[str]]:
+        """What identifies each topic configuration's shard (asked once per run):
+        its replicas' addresses, and the identity its servers give
+        (``writer.shard_identity``), so two spellings or subsets of one shard's
+        replicas are grouped by ``dedup_window.shard_partitions``."""
+        if self._shard_keys is None:
+            from blockagg.spark.components import make_writer
+
+            keys: dict[str, frozenset[str]] = {}
+            for topic in self.config.topics:
+                writer = make_writer(self.config, topic)
+                try:
+                    identity = writer.shard_identity(self.config.dead_letters.table)
+                finally:
+                    writer.close()
+                keys[topic.label] = replica_keys(topic.replicas) | (
+                    {identity} if identity else set())
+            self._shard_keys = keys
+        return self._shard_keys
+
+    def dedup_need(self, topic: TopicConfig) -> DedupNeed:
+        """What ``topic``'s shard asks of each table's deduplication window
+        (``aggregator.clickhouse.dedup_window``): ``P``, every partition of every topic
+        writing the shard (:attr:`shard_partitions`), and the blocks the configuration's
+        batches are expected to form per partition (the sizing warning)."""
+        return DedupNeed(self.shard_partitions.get(topic.label, 0),
+                         expected_blocks(self.config))
+
+    def count_shard_partitions(self, partitions: Iterable[TopicPartition]) -> None:
+        """``P`` per topic configuration and per topic (:attr:`shard_partitions`, which
+        every task receives in its context) over ``partitions``."""
+        per_config: Counter[str] = Counter(
+            self.config.topic_for(name).label for name, _ in set(partitions))
+        per_shard = shard_partitions(self.shard_keys(), per_config)
+        self.shard_partitions = {
+            **per_shard,
+            **{name: per_shard[self.config.topic_for(name).label]
+               for name, _ in set(partitions)}}
 
     def check_tables(self, partitions: Sequence[TopicPartition]) -> None:
         """The writer's startup check on each shard, over the tables the job can route
@@ -249,11 +286,14 @@ class Driver:
         start is refused otherwise (any envelope may name any registered table, so
         one that exists on the shard is a target). The task checks a table again
         before decoding the first message routed to it
-        (:func:`spark.task.live_columns`). A deduplication window below the shard's
-        need refuses the start (``DedupWindowTooSmall``) for every table, unless
-        ``clickhouse.allow_small_dedup_window``. On a content-hash server a table
-        without the coordinate columns refuses the start (``CoordinatesMissing``)
-        unless ``clickhouse.allow_tables_without_coordinates`` lists it."""
+        (:func:`spark.task.live_columns`). A deduplication window below ``2 x P``
+        (``P``: the partitions writing the shard, counted here for the tasks' guard,
+        :meth:`count_shard_partitions`) refuses the start (``DedupWindowTooSmall``) for
+        every table, unless ``clickhouse.allow_small_dedup_window``; one below what the
+        configuration's batches are expected to form is warned about. On a
+        content-hash server a table without the coordinate columns refuses the start
+        (``CoordinatesMissing``) unless ``clickhouse.allow_tables_without_coordinates``
+        lists it."""
         registry = self.components.registry(self.config)
         current = getattr(registry, "current", None)
         if current is None:
@@ -267,9 +307,10 @@ class Driver:
 
         dead_letter_table = self.config.dead_letters.table
         names = sorted({*current().tables().values(), dead_letter_table})
+        self.count_shard_partitions(partitions)
         for topic in self.config.topics:
             writer = make_writer(self.config, topic)
-            need = self.dedup_need(topic, partitions)
+            need = self.dedup_need(topic)
             try:
                 for table in names:
                     try:
@@ -291,9 +332,12 @@ class Driver:
 
     def check_new_partitions(self, partitions: Iterable[TopicPartition]) -> None:
         """Partitions the job had not seen (a topic's partitions added, a new topic
-        matched by the pattern) raise a shard's deduplication need: judge every
-        table again before the batch reads or writes anything, so a window that no
-        longer holds refuses here as it would at start (``DedupWindowTooSmall``)."""
+        matched by the pattern) join the idle refresher's set and raise their shard's
+        ``P``, which shrinks every share (``aggregator.clickhouse.dedup_window``): every
+        table is judged again and ``P`` recounted before the batch reads or writes
+        anything, so a window that no longer holds a block per partition-batch refuses
+        here as it would at start (``DedupWindowTooSmall``), and the batch's tasks
+        bound their blocks by the smaller shares."""
         new = set(partitions) - self.partitions
         if not new:
             return
@@ -403,7 +447,7 @@ class Driver:
         started = time.time()
         nonempty = {tp: r for tp, r in ranges.items() if not r.empty}
         ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id,
-                          self.partition_ends(nonempty))
+                          self.partition_ends(nonempty), dict(self.shard_partitions))
         reports: list[dict[str, Any]] = []
         names = [f"{t}[{p}]" for t, p in sorted(nonempty)]
         with self.watch.watching(batch_id, kind, names):
@@ -769,6 +813,7 @@ REFUSALS: dict[str, str] = {
     "MetadataContractViolation": "metadata_contract",
     "TopicIncarnationChanged": "topic_incarnation_changed",
     "PinsMismatch": "pins_mismatch",
+    "TooManyBlocks": "too_many_blocks",
     # refused by the writer before a re-send (aggregator.clickhouse.structure)
     "ReplayAcrossAlter": "replay_across_alter",
     "ReplayBeyondDedupAge": "replay_beyond_dedup_age",

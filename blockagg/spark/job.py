@@ -126,7 +126,9 @@ def run(config: Config, until_caught_up: bool) -> int:
             logs.event(log, "components without pins", level=30, components=spec,
                        missing=missing, effect="a replay is not held to what its first "
                        "attempt was prepared under (docs/protocol.md, What a replay "
-                       "depends on): forward these from the components you wrap")
+                       "depends on), or a batch's blocks to the tables' deduplication "
+                       "windows (dedup_windows): forward these from the components you "
+                       "wrap")
         driver = Driver(config, spark, components)
         driver.install_signal_handlers()
         driver.metrics.serve(config.metrics.port, config.metrics.host)

@@ -46,6 +46,7 @@ from blockagg.aggregator.core.metadata import (
 from blockagg.aggregator.core.model import (
     Batch,
     Block,
+    BlockShare,
     BlockSink,
     Committed,
     MetadataStore,
@@ -84,6 +85,10 @@ class TaskContext:
     partition_ends: Mapping[TopicPartition, int] = field(default_factory=dict)
     """Each partition's log-end offset as the driver read it after planning the batch
     (``Batch.partition_end``)."""
+    shard_partitions: Mapping[str, int] = field(default_factory=dict)
+    """For each topic, ``P``: the partitions of every topic writing its shard, as the
+    driver counted them (``aggregator.clickhouse.dedup_window.shard_partitions``); a
+    topic without it has no guard (:func:`block_shares`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,11 +180,42 @@ def live_columns(config: Config, topic: TopicConfig, table: str) -> Any:
     fails the task before anything of the batch is committed or inserted (the
     driver's startup check only warns about registered tables, since the registry
     may hold tables this job never receives), and ``TableNotFound`` refuses the batch
-    too (a dead letter must not depend on the live server). Called once per table per
-    ``[schemas] refresh_interval`` per worker (``Plans`` caches)."""
+    too (a dead letter must not depend on the live server). The check also reads the
+    table's deduplication window, which :func:`block_shares` judges and turns into the
+    guard before the batch is planned, so a table registered after the start is judged
+    before its first insert. Called once per table per ``[schemas] refresh_interval``
+    per worker (``Plans`` caches)."""
     writer = describer(config, topic)
     writer.check_tables([table])
     return writer.describe(table).columns
+
+
+def block_shares(ctx: TaskContext, topic: TopicConfig, batch: Batch) -> tuple[BlockShare, ...]:
+    """Each table of ``batch``'s share of its deduplication window
+    (``Thresholds.max_blocks_per_table``): ``floor(W_t / (2 x P))`` with ``P`` from
+    the driver (``ctx.shard_partitions``) and ``W_t`` as the worker last checked it
+    (``components.dedup_windows``). A window holding no block (``W_t < 2 x P``) raises
+    :class:`~aggregator.clickhouse.exceptions.DedupWindowTooSmall` before anything of
+    the batch is committed or inserted, as at start; with ``clickhouse.
+    allow_small_dedup_window`` that table has no guard. Tables whose window is unknown
+    (components without ``dedup_windows``, a table not on the shard) have none."""
+    from blockagg.aggregator.clickhouse.dedup_window import DedupNeed, judge_window
+
+    partitions = ctx.shard_partitions.get(batch.topic)
+    windows_of = getattr(ctx.components, "dedup_windows", None)
+    if partitions is None or windows_of is None or not batch.tables:
+        return ()
+    windows = windows_of(ctx.config, topic, sorted(set(batch.tables.values())))
+    need = DedupNeed(partitions)
+    shares = []
+    for table_id, name in sorted(batch.tables.items()):
+        window = windows.get(name)
+        if window is None or judge_window(
+                name, window.setting, window.blocks, need,
+                ctx.config.clickhouse.allow_small_dedup_window) is not None:
+            continue
+        shares.append(BlockShare(table_id, window.blocks, partitions))
+    return tuple(shares)
 
 
 def positioned(registry: Any) -> bool:
@@ -447,7 +483,8 @@ def _run_attempt(
     # them, from dead_letters.min_messages on), after they are delivered: a partition's
     # share alone says little (1 bad message of 1 is 100%).
     thresholds = Thresholds(config.blocks.max_rows, config.blocks.max_bytes,
-                            config.job.offset_metadata_max_bytes)
+                            config.job.offset_metadata_max_bytes,
+                            block_shares(ctx, topic_config, batch))
     plan = plan_batch(batch, committed, thresholds, ctx.run_id, ctx.batch_id,
                       attempt=attempt.nonce if attempt is not None else 0,
                       now_s=int(time.time()))

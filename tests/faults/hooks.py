@@ -39,9 +39,10 @@ import json
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.metadata import decode, is_blockagg
@@ -286,6 +287,11 @@ class FaultComponents:
     def structure_mark(self, config: Config, topic: TopicConfig, tables: Sequence[str]) -> int:
         mark = getattr(self.inner, "structure_mark", None)
         return int(mark(config, topic, tables)) if mark else 0
+
+    def dedup_windows(self, config: Config, topic: TopicConfig, tables: Sequence[str]
+                      ) -> Mapping[str, Any]:
+        windows = getattr(self.inner, "dedup_windows", None)
+        return windows(config, topic, tables) if windows else {}
 
 
 def from_env() -> FaultComponents:

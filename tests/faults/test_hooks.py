@@ -34,4 +34,5 @@ def test_the_job_names_pin_capabilities_a_custom_components_lacks() -> None:
 
     assert missing_pins(DefaultComponents()) == []
     assert missing_pins(FaultComponents(DefaultComponents(), None)) == []
-    assert missing_pins(object()) == ["incarnation", "dedup_mode", "structure_mark"]
+    assert missing_pins(object()) == ["incarnation", "dedup_mode", "structure_mark",
+                                     "dedup_windows"]

@@ -153,22 +153,51 @@ def test_a_window_below_the_need_is_refused_naming_table_window_and_need(
         stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str) -> None:
     """ReplicatedMergeTree with replicated_deduplication_window = 20 on the real 18.16
     pair: 16 partitions (need 2 x 16 = 32) are refused, 8 (need 16) pass, and
-    allow_small_dedup_window turns the refusal into a warning."""
+    allow_small_dedup_window turns the refusal into a warning. The window read is kept
+    for the tasks' guard (share floor(20 / 16) = 1 with 8 partitions)."""
     small = f"{ch_database}.small_window"
     for c in ch_replicas:
         c.execute(f"CREATE TABLE {small} (x UInt64, _topic String, _partition UInt32, "
                   f"_offset UInt64) ENGINE = {replicated_engine(ch_database, 'small_window')} "
                   "SETTINGS replicated_deduplication_window = 20")
     writer = writer_for(stack_env)
-    need = DedupNeed(partitions=16, max_offsets_per_trigger=None, max_rows=1000)
+    need = DedupNeed(partitions=16)
     with pytest.raises(DedupWindowTooSmall) as info:
         writer.check_tables([small], need)
     text = str(info.value)
     assert small in text and "replicated_deduplication_window = 20" in text
     assert "32 blocks" in text and "16 partitions" in text
-    assert writer.check_tables([small], DedupNeed(8, None, 1000)) == []
+    assert writer.check_tables([small], DedupNeed(8)) == []
     [warning] = writer.check_tables([small], need, allow_small_window=True)
     assert "below the 32 blocks" in warning
+    window = writer.dedup_window(small)
+    assert window is not None and window.blocks == 20
+    assert window.setting == "replicated_deduplication_window"
+    assert DedupNeed(8).share(window.blocks) == 1
+
+
+def test_both_replicas_name_the_same_shard_whatever_they_are_called(
+        stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str) -> None:
+    """Grouping by shard (issue 25): each replica of the pair, asked alone under either
+    spelling of its host, gives the same shard identity (the dead-letter table's
+    ZooKeeper path on 18.16, which has no getMacro), so topics listing the replicas
+    differently are counted as one shard."""
+    table = f"{ch_database}.dead_letters_id"
+    for c in ch_replicas:
+        c.execute(f"CREATE TABLE {table} (x UInt64) ENGINE = "
+                  f"{replicated_engine(ch_database, 'dead_letters_id')}")
+    host = stack_env["BLOCKAGG_CH_HOST"]
+    identities = set()
+    for port in stack_env["BLOCKAGG_CH_PORTS"].split(","):
+        for spelling in (host, "localhost"):
+            writer = ClickHouseBlockWriter(WriterConfig(replicas=(Replica(spelling, int(port)),)))
+            try:
+                identities.add(writer.shard_identity(table))
+            finally:
+                writer.close()
+    [identity] = identities
+    assert identity is not None and identity.startswith("zookeeper:")
+    assert identity.endswith(f"/{ch_database}/dead_letters_id")
 
 
 def test_a_recently_used_connection_skips_the_ping_and_a_dead_one_is_retried(

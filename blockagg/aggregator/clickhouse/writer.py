@@ -45,7 +45,7 @@ import numpy.typing as npt
 
 from blockagg.aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_COLUMNS
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter
-from blockagg.aggregator.clickhouse.dedup_window import DedupNeed, judge_window
+from blockagg.aggregator.clickhouse.dedup_window import DedupNeed, DedupWindow, judge_window
 from blockagg.aggregator.clickhouse.exceptions import (
     AlterNotApplied,
     ClickHouseError,
@@ -410,6 +410,7 @@ class ClickHouseBlockWriter:
         self._server_version: tuple[int, ...] | None = None
         self._structure = StructureCache()
         self._dedup_ages: dict[str, int | None] = {}
+        self._windows: dict[str, tuple[float, DedupWindow]] = {}
 
     def _client(self, replica: Replica) -> Client:
         """This thread's client of ``replica``."""
@@ -481,14 +482,17 @@ class ClickHouseBlockWriter:
 
     def check_tables(self, tables: Sequence[str], need: DedupNeed | None = None,
                      allow_small_window: bool = False) -> list[str]:
-        """Refuse tables that won't deduplicate; return warnings.
+        """Refuse tables that won't deduplicate; return warnings. Every window read is
+        kept (:meth:`dedup_window`) for the task's guard.
 
         Raises :class:`DedupNotConfigured` when a table is not ``Replicated*`` and
         has no ``non_replicated_deduplication_window`` > 0, or when the user's
         profile sets ``insert_deduplicate = 0``; :class:`DedupWindowTooSmall` when
-        the window is below ``need`` (``aggregator.clickhouse.dedup_window``; a
-        warning with ``allow_small_window``); :class:`CoordinatesMissing` when a table
-        lacks the Kafka-coordinate columns on a content-hash server
+        the window gives ``need``'s partitions no block each per batch (below ``2 x
+        P``, ``aggregator.clickhouse.dedup_window``; a warning with
+        ``allow_small_window``, as is a share below ``need.expected_blocks``);
+        :class:`CoordinatesMissing` when a table lacks the Kafka-coordinate columns on
+        a content-hash server
         (:meth:`_judge_coordinates`; a warning for the tables
         ``allow_without_coordinates`` lists, and on token servers).
         """
@@ -529,6 +533,8 @@ class ClickHouseBlockWriter:
                     f"table {table} uses engine {info.engine or '(none)'}, which does not "
                     "deduplicate inserts; insert into the shard's ReplicatedMergeTree table "
                     "(not a Distributed, Buffer or view)")
+            if window is not None:
+                self._windows[table] = (self._clock(), DedupWindow(setting, window))
             if window is not None and need is not None:
                 warning = judge_window(table, setting, window, need, allow_small_window)
                 if warning is not None:
@@ -540,6 +546,37 @@ class ClickHouseBlockWriter:
         for w in warnings:
             log.warning("%s", w)
         return warnings
+
+    def dedup_window(self, table: str, max_age_s: float = float("inf")) -> DedupWindow | None:
+        """The window :meth:`check_tables` last read for ``table``, if within
+        ``max_age_s`` seconds; ``None`` otherwise (check the table to read it)."""
+        entry = self._windows.get(table)
+        if entry is None or self._clock() - entry[0] >= max_age_s:
+            return None
+        return entry[1]
+
+    def shard_identity(self, table: str) -> str | None:
+        """What the servers say identifies this shard, whatever the replicas are called
+        in the configuration: the ZooKeeper path of ``table`` (the dead-letter table,
+        on every shard) when it is replicated (replicas of one table share it, and it
+        names the table's shard), else the ``cluster``/``shard`` macros (a shard macro
+        without the cluster's may merge two clusters' shards: fewer blocks each, safe);
+        ``None`` when neither is known (``dedup_window.shard_partitions`` then groups by
+        replica addresses alone)."""
+        database, name = table.split(".", 1)
+        rows = self.query("SELECT zookeeper_path FROM system.replicas "
+                          "WHERE database = %(db)s AND table = %(t)s",
+                          {"db": database, "t": name})
+        if rows and rows[0][0]:
+            return f"zookeeper:{rows[0][0]}"
+        try:
+            macros = dict(self.query("SELECT macro, substitution FROM system.macros"))
+        except ClickHouseError:  # no system.macros: the replica addresses decide
+            log.debug("shard identity unknown for %s", table, exc_info=True)
+            return None
+        if "shard" in macros:
+            return f"macro:{macros.get('cluster', '')}/{macros['shard']}"
+        return None
 
     def _judge_coordinates(self, info: TableInfo) -> str | None:
         """A table without ``_topic``, ``_partition``, ``_offset``: refused on a server

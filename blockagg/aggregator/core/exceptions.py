@@ -62,3 +62,9 @@ class PinsMismatch(BatchRefused):
     """The batch was prepared under other pins (registry position, topic incarnation,
     deduplication mode) than the intent it replays, so its blocks could differ from
     the first attempt's."""
+
+
+class TooManyBlocks(BatchRefused):
+    """The batch forms more blocks of a table than the partition's share of the table's
+    deduplication window (``Thresholds.max_blocks_per_table``): a replay of one of them
+    could find its first attempt gone from the window and land twice."""

@@ -169,6 +169,33 @@ class BlockSink(Protocol):
         (``None`` without a fence)."""
 
 
+BATCHES_IN_FLIGHT = 2
+"""Batches that can insert into a table between a block's first attempt and its replay:
+the batch whose block failed, and the one that replays it (a task retry runs inside
+the batch; a restart replays before any new batch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockShare:
+    """A table's share of its deduplication window, for one partition-batch.
+
+    ``window`` is the table's deduplication window in blocks, ``partitions`` the
+    number of partitions of every topic writing the table's shard. Each of them forms
+    at most :attr:`blocks` blocks of the table per batch, so at most
+    ``BATCHES_IN_FLIGHT x partitions x blocks <= window`` blocks reach the table
+    between a block's first attempt and its replay
+    (``aggregator.clickhouse.dedup_window``)."""
+
+    table_id: int
+    window: int
+    partitions: int
+
+    @property
+    def blocks(self) -> int:
+        """``floor(window / (BATCHES_IN_FLIGHT x partitions))``: 0 holds no block."""
+        return self.window // (BATCHES_IN_FLIGHT * max(self.partitions, 1))
+
+
 @dataclass(frozen=True, slots=True)
 class Thresholds:
     """When a table's buffer seals into a block, and how large a commit may be.
@@ -176,12 +203,17 @@ class Thresholds:
     A buffer seals when adding a message makes it reach ``max_rows`` rows or
     ``max_bytes`` bytes. Only message content counts, never time, so a retry of the
     same messages seals at the same places. ``max_metadata_bytes`` is the broker's
-    ``offset.metadata.max.bytes``.
+    ``offset.metadata.max.bytes``. ``max_blocks_per_table``: the tables whose blocks
+    per partition-batch are bounded by their share of the deduplication window (a
+    batch forming more is refused, :class:`~aggregator.core.exceptions.TooManyBlocks`);
+    a table not listed is not bounded. The shares never change the blocks, only
+    whether a batch is taken.
     """
 
     max_rows: int
     max_bytes: int
     max_metadata_bytes: int = 4096
+    max_blocks_per_table: tuple[BlockShare, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_rows < 1 or self.max_bytes < 1:

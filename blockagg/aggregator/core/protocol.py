@@ -10,7 +10,8 @@ hold; in short:
 
 * **Refuse, never guess**: every refusal (gap, metadata ahead of the partition, batch
   ending inside a replay block, replay block missing, contract violation, metadata
-  too large) is decided while planning, so a refused batch commits and inserts
+  too large, more blocks of a table than its share of the deduplication window) is
+  decided while planning, so a refused batch commits and inserts
   nothing.
 * **Intent before flush**: each seal event commits metadata describing its blocks,
   with a resume offset at or below every block not yet acknowledged and every
@@ -37,6 +38,7 @@ from blockagg.aggregator.core.exceptions import (
     OffsetGap,
     PinsMismatch,
     ReplayBlockMissing,
+    TooManyBlocks,
     TopicIncarnationChanged,
 )
 from blockagg.aggregator.core.metadata import (
@@ -49,6 +51,7 @@ from blockagg.aggregator.core.metadata import (
     is_blockagg,
 )
 from blockagg.aggregator.core.model import (
+    BATCHES_IN_FLIGHT,
     Batch,
     Block,
     BlockSink,
@@ -407,6 +410,35 @@ def _without_abandoned(batch: Batch) -> tuple[Batch, int]:
     ), int(len(batch) - positions.size)
 
 
+def _refuse_too_many_blocks(batch: Batch, formation: Formation,
+                            thresholds: Thresholds) -> None:
+    """Every table with a share (``Thresholds.max_blocks_per_table``) receives at most
+    its share of this partition-batch's blocks, counting every block formed: replays,
+    and seals by rows, bytes and the batch's end. Counted once per block (never per
+    message), before any operation exists."""
+    shares = thresholds.max_blocks_per_table
+    if not shares or not formation.blocks:
+        return
+    ids, counts = np.unique(np.fromiter((b.table_id for b in formation.blocks), np.int64,
+                                        len(formation.blocks)), return_counts=True)
+    formed = dict(zip(ids.tolist(), counts.tolist(), strict=True))
+    for share in shares:
+        blocks = formed.get(share.table_id, 0)
+        if blocks <= share.blocks:
+            continue
+        name = batch.tables.get(share.table_id, f"id {share.table_id}")
+        raise TooManyBlocks(
+            f"{_where(batch)} forms {blocks} blocks of table {name}, above the "
+            f"partition's share of its deduplication window: {share.blocks} = floor("
+            f"window {share.window} / ({BATCHES_IN_FLIGHT} batches in flight x "
+            f"{share.partitions} partitions on the shard)), so a replay could outlive the "
+            "window and land twice; nothing was committed or inserted. Raise the table's "
+            "deduplication window to at least "
+            f"{BATCHES_IN_FLIGHT * share.partitions * blocks}, or raise blocks.max_rows / "
+            "blocks.max_bytes, then restart; lower job.max_offsets_per_trigger so later "
+            "batches form fewer (docs/running.md, Sizing the deduplication window)")
+
+
 def _refuse_abandoned_inside_dead_letters(batch: Batch, listed: tuple[BlockRange, ...],
                                           replay: dict[int, BlockRange]) -> None:
     """The commit that lists an abandoned block was written before its messages were
@@ -470,6 +502,7 @@ def plan_batch(
     _refuse_abandoned_inside_dead_letters(batch, resumption.blocks, replay)
     formation = form_blocks(batch, resume, replay, thresholds)
     formation = replace(formation, delivered=formation.delivered + abandoned)
+    _refuse_too_many_blocks(batch, formation, thresholds)
     since = resumption.metadata.since_s if resumption.metadata is not None else 0
     if since and replay:
         formation = replace(formation, blocks=tuple(

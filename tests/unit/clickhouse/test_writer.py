@@ -236,7 +236,7 @@ ALLOWED = frozenset({"db.t"})
 def test_check_accepts_window_and_warns_about_coordinates() -> None:
     script = _check_script(
         "MergeTree", "CREATE TABLE db.t ... SETTINGS non_replicated_deduplication_window = 5")
-    need = DedupNeed(partitions=4, max_offsets_per_trigger=None, max_rows=100)
+    need = DedupNeed(partitions=4)
     with pytest.raises(DedupWindowTooSmall, match=r"table db\.t: "
                        r"non_replicated_deduplication_window = 5 is below the 8 blocks"):
         make_writer(script, [], allow_without_coordinates=ALLOWED).check_tables(["db.t"], need)
@@ -245,7 +245,43 @@ def test_check_accepts_window_and_warns_about_coordinates() -> None:
     assert any("_topic" in w for w in warnings)
     assert any("= 5 is below the 8 blocks" in w for w in warnings)
     assert make_writer(script, [], allow_without_coordinates=ALLOWED).check_tables(
-        ["db.t"], DedupNeed(2, None, 100))[1:] == []
+        ["db.t"], DedupNeed(2))[1:] == []
+
+
+def test_check_keeps_the_window_it_read_for_the_guard() -> None:
+    """The window check_tables reads serves the task's guard (dedup_window) until it
+    is older than the refresh interval; a table never checked has none."""
+    now = [100.0]
+    script = _check_script(
+        "ReplicatedMergeTree", "CREATE TABLE db.t ... SETTINGS replicated_deduplication_window = 7")
+    writer = ClickHouseBlockWriter(
+        WriterConfig(replicas=(Replica("a"),), allow_without_coordinates=ALLOWED),
+        lambda r: FakeClient(r, script, []), sleep=lambda s: None, clock=lambda: now[0])
+    assert writer.dedup_window("db.t") is None
+    writer.check_tables(["db.t"])
+    window = writer.dedup_window("db.t", 60)
+    assert window is not None and (window.setting, window.blocks) == (
+        "replicated_deduplication_window", 7)
+    now[0] += 60
+    assert writer.dedup_window("db.t", 60) is None and writer.dedup_window("db.t") == window
+
+
+ZK = ("SELECT zookeeper_path FROM system.replicas WHERE database = %(db)s AND "
+      "table = %(t)s")
+MACROS = "SELECT macro, substitution FROM system.macros"
+
+
+def test_the_shard_identity_is_the_dead_letter_tables_zookeeper_path_else_the_macros() -> None:
+    """Grouping by shard (issue 25): replicas of one shard share the dead-letter
+    table's ZooKeeper path; without a replicated table, the cluster and shard macros;
+    without either, nothing (the replica addresses decide)."""
+    table = "blockagg.dead_letters"
+    zk = {ZK: [("/clickhouse/tables/01/blockagg/dead_letters",)],
+          MACROS: [("shard", "02"), ("cluster", "c")]}
+    assert make_writer(zk, []).shard_identity(table) == (
+        "zookeeper:/clickhouse/tables/01/blockagg/dead_letters")
+    assert make_writer({MACROS: zk[MACROS]}, []).shard_identity(table) == "macro:c/02"
+    assert make_writer({MACROS: [("replica", "r1")]}, []).shard_identity(table) is None
 
 
 def test_a_table_without_coordinates_is_refused_on_a_content_hash_server() -> None:
