@@ -99,6 +99,12 @@ class Message:
     timestamp_ms: int
 
 
+def now_s() -> int:
+    """The wall-clock time recorded as the first send of the blocks a plan forms
+    (``Metadata.since_s``): seconds since the epoch."""
+    return int(time.time())
+
+
 def reason_label(reason: str) -> str:
     """A low-cardinality label for a dead-letter reason."""
     low = reason.lower()
@@ -487,7 +493,7 @@ def _run_attempt(
                             block_shares(ctx, topic_config, batch))
     plan = plan_batch(batch, committed, thresholds, ctx.run_id, ctx.batch_id,
                       attempt=attempt.nonce if attempt is not None else 0,
-                      now_s=int(time.time()))
+                      now_s=now_s())
     report = run_batch(plan, store, sink, attempt, insert_lanes(config))
     consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dead_letters: dict[str, int] = defaultdict(int)

@@ -9,6 +9,7 @@ import itertools
 import pickle
 from collections.abc import Sequence
 from typing import Any
+from unittest.mock import patch
 
 import pyarrow as pa
 import pytest
@@ -82,8 +83,9 @@ def test_same_as_the_row_hand_over(gaps: list[int], cuts: list[int], null_stamp:
     data = records(offsets, VALUES, stamps_ms=stamps)
     ranges = {("t", 0): PlannedRange("t", 0, 100, offsets[-1] + 2)}
     by_rows, by_arrow = Components(), Components()
-    (expected,) = run_partition(ctx(by_rows, ranges), data)
-    got = arrow_report(by_arrow, ranges, data, cuts)
+    with patch("blockagg.spark.task.now_s", lambda: 1_790_000_000):
+        (expected,) = run_partition(ctx(by_rows, ranges), data)
+        got = arrow_report(by_arrow, ranges, data, cuts)
     assert got is not None and untimed(got) == untimed(expected)
     assert by_arrow._store.history == by_rows._store.history
     assert by_arrow._sink.blocks == by_rows._sink.blocks
