@@ -301,6 +301,11 @@ class ClickHouseConfig:
     Kafka coordinate columns to tell whether it landed: ``refuse`` (stop, nothing
     sent), ``insert`` (risk a duplicate) or ``skip`` (risk a loss). For one restart,
     after checking the table by hand (docs/schemas.md)."""
+    allow_stored_coordinates: bool = False
+    """Deliver a partition that starts without a blockagg commit into tables that
+    already hold rows at its coordinates and have no ``_incarnation`` column to tell
+    them apart (``aggregator.clickhouse.stored``): refused by default, since on a
+    server without tokens a new block equal to a stored one would be dropped."""
 
     def __repr__(self) -> str:
         return (
@@ -314,7 +319,8 @@ class ClickHouseConfig:
             f"ping_after_idle={self.ping_after_idle}, secure={self.secure}, verify={self.verify}, "
             f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r}, "
             f"allow_small_dedup_window={self.allow_small_dedup_window}, "
-            f"replay_across_alter={self.replay_across_alter!r})"
+            f"replay_across_alter={self.replay_across_alter!r}, "
+            f"allow_stored_coordinates={self.allow_stored_coordinates})"
         )
 
 
@@ -896,6 +902,7 @@ def from_dict(
         allow_small_dedup_window=ch_t.take("allow_small_dedup_window", _bool, False),
         replay_across_alter=ch_t.take("replay_across_alter", _one_of(REPLAY_ACROSS_ALTER),
                                       "refuse"),
+        allow_stored_coordinates=ch_t.take("allow_stored_coordinates", _bool, False),
     )
     ch_t.done()
     for topic in topics:

@@ -116,6 +116,15 @@ class DefaultComponents:
         attempts (``Pins.structure``, ``aggregator.clickhouse.structure``)."""
         return int(describer(config, topic).structure_mark(tables))
 
+    def stored_coordinates(self, config: Config, topic: TopicConfig, tables: Sequence[str],
+                           name: str, partition: int, start: int) -> list[Any]:
+        """The rows of ``name[partition]`` from offset ``start`` on in those of
+        ``tables`` that can't tell topic incarnations apart
+        (``aggregator.clickhouse.stored``): asked when a partition starts without a
+        blockagg commit, under content-hash deduplication."""
+        return list(describer(config, topic).stored_coordinates(tables, name, partition,
+                                                                start))
+
 
 def insert_lanes(config: Config) -> Lanes:
     """How many inserts of one seal event run at once (``clickhouse.insert_concurrency``):
@@ -174,6 +183,7 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
         dead_letter_table=config.dead_letters.table,
         extra_settings=dict(ch.settings),
         replay_across_alter=ch.replay_across_alter,
+        allow_stored_coordinates=ch.allow_stored_coordinates,
     ))
 
 

@@ -763,6 +763,8 @@ REFUSALS: dict[str, str] = {
     "PinsMismatch": "pins_mismatch",
     # refused by the writer before a re-send (aggregator.clickhouse.structure)
     "ReplayAcrossAlter": "replay_across_alter",
+    # refused by the task at a partition's start (aggregator.clickhouse.stored)
+    "CoordinatesInUse": "coordinates_in_use",
 }
 
 

@@ -42,6 +42,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.metadata import decode, is_blockagg
@@ -285,6 +286,11 @@ class FaultComponents:
     def structure_mark(self, config: Config, topic: TopicConfig, tables: Sequence[str]) -> int:
         mark = getattr(self.inner, "structure_mark", None)
         return int(mark(config, topic, tables)) if mark else 0
+
+    def stored_coordinates(self, config: Config, topic: TopicConfig, tables: Sequence[str],
+                           name: str, partition: int, start: int) -> list[Any]:
+        stored = getattr(self.inner, "stored_coordinates", None)
+        return list(stored(config, topic, tables, name, partition, start)) if stored else []
 
 
 def from_env() -> FaultComponents:
