@@ -535,7 +535,9 @@ class ClickHouseBlockWriter:
                 warnings.append(
                     f"table {table} has no {missing} column(s): a new block whose rows equal "
                     "a recent block's would be dropped by content-hash deduplication"
-                    f"{hint}; add _topic String, _partition UInt32, _offset UInt64")
+                    f"{hint}; add _topic String, _partition UInt32, _offset UInt64 (and "
+                    "_incarnation UInt64 DEFAULT 0, which keeps a recreated topic's blocks "
+                    "apart from the old topic's)")
         for w in warnings:
             log.warning("%s", w)
         return warnings

@@ -293,3 +293,42 @@ def test_the_start_check_runs_only_when_a_partition_starts_without_a_commit(
     check(None, quiet, cfg=opted)
     assert quiet.asked == []
     check(None, Components([]))            # nothing stored there: delivered
+
+
+def test_plans_of_a_recorded_version_fill_the_column_the_live_table_gained(
+        tmp_path: Any) -> None:
+    """Through :class:`Plans` and :func:`prepare`: a version recorded without
+    ``_incarnation`` inserts it once the live table has it, and not after it is gone."""
+    from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
+    from blockagg.proto.descriptors import compile_proto, load_descriptor
+    from blockagg.proto.envelope import make_envelope
+    from blockagg.proto.registry import MemoryStore, Registry, register
+
+    path = tmp_path / "v.proto"
+    path.write_text('syntax = "proto3"; package inc;\nmessage V1 { int32 a = 1; }\n')
+    fds = compile_proto(path)
+    recorded = [Column("a", "Int32"), Column("_topic", "String"),
+                Column("_partition", "UInt32"), Column("_offset", "UInt64")]
+    store = MemoryStore()
+    register(store, "db.t", "inc.V1", fds, columns=recorded)
+    live = {"db.t": [*recorded, Column("_incarnation", "UInt64", "DEFAULT", "0")]}
+    plans = Plans(Registry.load(store), lambda t: live[t], columns_ttl_s=0)
+    cls: Any = message_class(load_descriptor(fds, "inc.V1"))
+    messages = [Message(o, 1_700_000_000_000, make_envelope(
+        "db.t", [cls(a=o).SerializeToString()], 1)) for o in (5, 6)]
+
+    def names_and_last() -> tuple[tuple[str, ...], list[Any]]:
+        plans.expire_live()
+        prepared = prepare("top", 0, messages, plans)
+        batch = Batch("top", 0, 5, 7, prepared.offsets, prepared.table_ids,
+                      prepared.row_counts, prepared.sizes, prepared.payloads,
+                      prepared.tables, pins=Pins(incarnation=INCARNATION))
+        block = Block("top", 0, int(prepared.table_ids[0]), "db.t", 5, 6, np.array([0, 1]),
+                      2, 10, block_token("top", 0, "db.t", 5, 6))
+        data = make_writer({}, []).block_data(block, batch, numpy=False)
+        return data.names, data.columns[-1]
+
+    assert names_and_last() == (("a", "_topic", "_partition", "_offset", "_incarnation"),
+                                [INCARNATION] * 2)
+    live["db.t"] = recorded
+    assert names_and_last() == (("a", "_topic", "_partition", "_offset"), [5, 6])
