@@ -947,7 +947,8 @@ class ClickHouseBlockWriter:
             return False
         if len(set(counts)) == 1 and None not in counts:
             raise ReplayAcrossAlter(partly_stored_error(where, kind, risk, counts[0] or 0,
-                                                        data.rows, coordinates))
+                                                        data.rows, coordinates,
+                                                        incarnation if marked else None))
         raise Unsettled(f"block {where}: {risk}; its rows in each replica: {counts} of "
                         f"{data.rows} (a replica down or a copy still replicating)")
 
@@ -1138,7 +1139,7 @@ def unattributable_error(where: str, kind: str, risk: str, table: str,
 
 
 def partly_stored_error(where: str, kind: str, risk: str, stored: int, rows: int,
-                        coordinates: Coordinates) -> str:
+                        coordinates: Coordinates, incarnation: int | None = None) -> str:
     """The refusal of a re-send whose block is in every replica, but only in part: its
     rows span several partitions of the table (one part each) and an earlier attempt
     failed between them."""
@@ -1151,7 +1152,9 @@ def partly_stored_error(where: str, kind: str, risk: str, stored: int, rows: int
             f"those {stored} rows twice, sending nothing would lose the rest. Nothing was "
             f"sent. Delete the stored part (ALTER TABLE {table} DELETE WHERE "
             f"{coordinates.topic} = '{topic}' AND {coordinates.partition} = {partition} AND "
-            f"{coordinates.offset} BETWEEN {first} AND {last}) and wait for the mutation on "
+            f"{coordinates.offset} BETWEEN {first} AND {last}"
+            + ("" if incarnation is None else f" AND {coordinates.incarnation} = {incarnation}")
+            + ") and wait for the mutation on "
             "every replica; then restart the job: with none of its rows stored, the block "
             "is sent whole.")
 

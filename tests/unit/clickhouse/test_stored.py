@@ -172,6 +172,10 @@ def test_another_incarnations_rows_at_the_coordinates_are_not_the_blocks(
     incarnation; the block's own count is 0, so it is sent (it was never stored)."""
     assert len(replay(sample, {"a": (0, 0), "b": (0, 0)})) == 1
     assert replay(sample, {"a": (3, 0), "b": (3, 0)}) == [], "its own rows: not sent"
+    with pytest.raises(ReplayAcrossAlter) as partly:
+        replay(sample, {"a": (1, 2), "b": (1, 2)})
+    assert (f"_offset BETWEEN 10 AND 11 AND _incarnation = {INCARNATION})"
+            in str(partly.value)), "the DELETE spares the other incarnation's rows"
 
 
 def test_rows_of_unknown_incarnation_at_the_coordinates_refuse_the_resend(

@@ -99,6 +99,8 @@ class FakeClient:
         version = self.server.versions[self.host]
         if query == "SELECT version()":
             return [(version,)]
+        if query.startswith("SELECT count() FROM system.columns"):
+            return [(0,)]    # the dead-letter table has no incarnation column
         assert query.startswith("INSERT INTO "), query
         table = query.split()[2]
         names = [n.strip("`") for n in query[query.index("(") + 1:query.index(")")].split(", ")]
