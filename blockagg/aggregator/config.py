@@ -312,6 +312,11 @@ class ClickHouseConfig:
     ``replicated_deduplication_window_seconds``, when the table has no Kafka
     coordinate columns to tell whether it landed: ``refuse``, ``insert`` or ``skip``,
     as ``replay_across_alter`` (docs/running.md)."""
+    allow_stored_coordinates: bool = False
+    """Deliver a partition that starts without a blockagg commit into tables that
+    already hold rows at its coordinates and have no ``_incarnation`` column to tell
+    them apart (``aggregator.clickhouse.stored``): refused by default, since on a
+    server without tokens a new block equal to a stored one would be dropped."""
 
     def __repr__(self) -> str:
         return (
@@ -327,7 +332,8 @@ class ClickHouseConfig:
             f"allow_small_dedup_window={self.allow_small_dedup_window}, "
             f"allow_tables_without_coordinates={self.allow_tables_without_coordinates!r}, "
             f"replay_across_alter={self.replay_across_alter!r}, "
-            f"expired_replay={self.expired_replay!r})"
+            f"expired_replay={self.expired_replay!r}, "
+            f"allow_stored_coordinates={self.allow_stored_coordinates})"
         )
 
 
@@ -919,6 +925,7 @@ def from_dict(
         replay_across_alter=ch_t.take("replay_across_alter", _one_of(REPLAY_ACROSS_ALTER),
                                       "refuse"),
         expired_replay=ch_t.take("expired_replay", _one_of(REPLAY_ACROSS_ALTER), "refuse"),
+        allow_stored_coordinates=ch_t.take("allow_stored_coordinates", _bool, False),
     )
     ch_t.done()
     for topic in topics:

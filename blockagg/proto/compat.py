@@ -38,7 +38,7 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 
 from blockagg.aggregator.clickhouse.exceptions import TypeParseError
-from blockagg.aggregator.clickhouse.rows import COORDINATE_COLUMNS, Column, match_columns
+from blockagg.aggregator.clickhouse.rows import WRITER_COLUMNS, Column, match_columns
 from blockagg.aggregator.clickhouse.types import INT_RANGES, TIMESTAMP, CHType, parse_type
 from blockagg.proto.descriptors import is_repeated
 from blockagg.proto.exceptions import UnknownMode
@@ -191,7 +191,7 @@ def _unfilled_columns(previous: Descriptor, new: Descriptor, columns: Sequence[C
     for col in columns:
         fd = old_map.get(col.name)
         if (fd is None or col.name in new_map or col.default_kind
-                or col.name in COORDINATE_COLUMNS or fd.number in numbers):
+                or col.name in WRITER_COLUMNS or fd.number in numbers):
             continue
         out.append(Difference(
             "COLUMN_UNFILLED", f"{new.full_name}.{fd.name} (number {fd.number})",

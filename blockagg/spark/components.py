@@ -147,6 +147,16 @@ class DefaultComponents:
         return found
 
 
+    def stored_coordinates(self, config: Config, topic: TopicConfig, tables: Sequence[str],
+                           name: str, partition: int, start: int) -> list[Any]:
+        """The rows of ``name[partition]`` from offset ``start`` on in those of
+        ``tables`` that can't tell topic incarnations apart
+        (``aggregator.clickhouse.stored``): asked when a partition starts without a
+        blockagg commit, under content-hash deduplication."""
+        return list(describer(config, topic).stored_coordinates(tables, name, partition,
+                                                                start))
+
+
 def insert_lanes(config: Config) -> Lanes:
     """How many inserts of one seal event run at once (``clickhouse.insert_concurrency``):
     threads kept per worker process, so each lane's connections stay warm."""
@@ -210,6 +220,9 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
         replay_across_alter=ch.replay_across_alter,
         expired_replay=ch.expired_replay,
         allow_without_coordinates=frozenset(ch.allow_tables_without_coordinates),
+
+
+        allow_stored_coordinates=ch.allow_stored_coordinates,
     ))
 
 

@@ -817,6 +817,8 @@ REFUSALS: dict[str, str] = {
     # refused by the writer before a re-send (aggregator.clickhouse.structure)
     "ReplayAcrossAlter": "replay_across_alter",
     "ReplayBeyondDedupAge": "replay_beyond_dedup_age",
+    # refused by the task at a partition's start (aggregator.clickhouse.stored)
+    "CoordinatesInUse": "coordinates_in_use",
 }
 
 

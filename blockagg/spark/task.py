@@ -52,7 +52,12 @@ from blockagg.aggregator.core.model import (
     MetadataStore,
     Thresholds,
 )
-from blockagg.aggregator.core.protocol import batch_pins, plan_batch, run_batch
+from blockagg.aggregator.core.protocol import (
+    batch_pins,
+    plan_batch,
+    read_committed,
+    run_batch,
+)
 from blockagg.proto.envelope import (
     Envelopes,
     Parsed,
@@ -262,12 +267,49 @@ def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
     mark = getattr(components, "structure_mark", None)
     structure = 0
     if mark and mode == DedupMode.BLOCK_HASH:
-        tables = registry.current().tables().values() if positioned(registry) else (
-            getattr(registry, "tables", {}))
-        structure = int(mark(config, topic, sorted({*tables, config.dead_letters.table})))
+        structure = int(mark(config, topic, registered_tables(config, registry)))
     return Pins(registry=position,
                 incarnation=int(incarnation(config, name)) if incarnation else 0,
                 dedup=mode, structure=structure)
+
+
+def registered_tables(config: Config, registry: Any) -> list[str]:
+    """Every table a batch of the topic may write: the registry's tables and the
+    dead-letter table (those the structure mark covers)."""
+    tables = registry.current().tables().values() if positioned(registry) else (
+        getattr(registry, "tables", {}))
+    return sorted({*tables, config.dead_letters.table})
+
+
+def refuse_stored_coordinates(components: Any, config: Config, topic: TopicConfig,
+                              registry: Any, batch: Batch, committed: Committed | None) -> None:
+    """Refuse a partition that starts without a blockagg commit (none, or one written
+    by a tool: the ``TopicIncarnationChanged`` recovery, a first start, an operator's
+    reset) into tables that already hold rows of it from its resume offset on and can't
+    tell them from its own: no ``_incarnation`` column, under content-hash
+    deduplication (``aggregator.clickhouse.stored``). Raises
+    :class:`~aggregator.clickhouse.exceptions.CoordinatesInUse` before anything is
+    committed or inserted. Asked once per partition start, not per batch: from the
+    partition's first commit on, every row at its coordinates is this job's."""
+    from blockagg.aggregator.clickhouse.exceptions import CoordinatesInUse
+    from blockagg.aggregator.clickhouse.stored import coordinates_in_use_error
+
+    if batch.pins.dedup != DedupMode.BLOCK_HASH or config.clickhouse.allow_stored_coordinates:
+        return
+    resumption = read_committed(committed)
+    if resumption.metadata is not None and resumption.foreign is None:
+        return
+    stored = getattr(components, "stored_coordinates", None)
+    if stored is None:
+        return
+    start = batch.start if resumption.resume is None else resumption.resume
+    if batch.end <= start:
+        return
+    found = stored(config, topic, registered_tables(config, registry), batch.topic,
+                   batch.partition, start)
+    if found:
+        raise CoordinatesInUse(coordinates_in_use_error(batch.topic, batch.partition, start,
+                                                        found))
 
 
 def prepare_batch(
@@ -485,6 +527,7 @@ def _run_attempt(
     if tp in ctx.partition_ends:
         batch = replace(batch, partition_end=ctx.partition_ends[tp])
     batch = route_missing_blocks(batch, config, values, timestamps_ms)
+    refuse_stored_coordinates(ctx.components, config, topic_config, registry, batch, committed)
     # The dead-letter rate is judged by the driver over whole batches (a window of
     # them, from dead_letters.min_messages on), after they are delivered: a partition's
     # share alone says little (1 bad message of 1 is 100%).

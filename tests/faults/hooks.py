@@ -293,6 +293,11 @@ class FaultComponents:
         windows = getattr(self.inner, "dedup_windows", None)
         return windows(config, topic, tables) if windows else {}
 
+    def stored_coordinates(self, config: Config, topic: TopicConfig, tables: Sequence[str],
+                           name: str, partition: int, start: int) -> list[Any]:
+        stored = getattr(self.inner, "stored_coordinates", None)
+        return list(stored(config, topic, tables, name, partition, start)) if stored else []
+
 
 def from_env() -> FaultComponents:
     """``BLOCKAGG_COMPONENTS=tests.faults.hooks:from_env``."""

@@ -5,6 +5,9 @@ A dead letter is one row of the dead-letter table (table id 0,
 block mechanism as every other table, so a retried dead-letter block is identical
 and deduplicated like any block. Every column is a function of the Kafka message
 alone; in particular ``time`` is the message's Kafka timestamp, never ``now()``.
+The optional ``incarnation`` column (``UInt64``, in :func:`dead_letter_ddl`) gets the
+batch's topic incarnation from the writer, as ``_incarnation`` in a table: a recreated
+topic's dead letter at the same coordinates is then another row.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ def dead_letter_ddl(table: str = DEFAULT_TABLE, replicated: bool = True,
     return (
         f"CREATE TABLE IF NOT EXISTS {table} (\n"
         "    `table` String,\n    topic String,\n    partition UInt32,\n"
-        "    offset UInt64,\n    error String,\n    raw String,\n    time DateTime\n"
+        "    offset UInt64,\n    error String,\n    raw String,\n    time DateTime,\n"
+        "    incarnation UInt64 DEFAULT 0\n"
         f") ENGINE = {engine}\nPARTITION BY toYYYYMM(time)\n"
         "ORDER BY (topic, partition, offset)"
     )

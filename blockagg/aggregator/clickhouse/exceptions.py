@@ -128,6 +128,13 @@ class ReplayBeyondDedupAge(ClickHouseError):
     Nothing was sent."""
 
 
+class CoordinatesInUse(ClickHouseError):
+    """A partition starting without a blockagg commit would deliver into a table that
+    already holds rows at its coordinates and can't tell them from its own (no
+    ``_incarnation`` column, content-hash deduplication): a new block equal to a
+    stored one would be dropped (``aggregator.clickhouse.stored``)."""
+
+
 class ClickHouseUnreachable(ClickHouseError):
     """A replica did not accept a connection (down, wrong host or port, firewall)."""
 

@@ -25,7 +25,7 @@ import numpy.typing as npt
 from blockagg.aggregator.clickhouse.deadletters import DEFAULT_TABLE, DeadLetter, make_dead_letter
 from blockagg.aggregator.clickhouse.exceptions import ColumnsChanged
 from blockagg.aggregator.clickhouse.rows import (
-    COORDINATE_COLUMNS,
+    WRITER_COLUMNS,
     Column,
     ColumnSet,
     Payloads,
@@ -34,6 +34,7 @@ from blockagg.aggregator.clickhouse.rows import (
     decide_envelopes,
     decode_messages,
     make_plan,
+    with_incarnation,
 )
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
 from blockagg.proto.envelope import (
@@ -132,6 +133,8 @@ class Plans:
         self._plans: dict[tuple[str, int], tuple[TablePlan, list[str]]] = {}
         self._from_live: dict[tuple[str, int], tuple[tuple[Column, ...], TablePlan, list[str]]] = {}
         self._checked: dict[tuple[str, int], tuple[Column, ...]] = {}
+        self._incarnated: dict[tuple[str, int], tuple[tuple[Column, ...],
+                                                      tuple[TablePlan, list[str]]]] = {}
 
     @property
     def reloads(self) -> bool:
@@ -189,7 +192,12 @@ class Plans:
                                          resolved.descriptor, recorded)
         found = self._plans[key]
         self._check_live(found[0])
-        return found
+        live = self.live(table)
+        augmented = self._incarnated.get(key)
+        if augmented is None or augmented[0] is not live:
+            augmented = self._incarnated[key] = (
+                live, (with_incarnation(found[0], live), found[1]))
+        return augmented[1]
 
     def _plan_from_live(self, key: tuple[str, int], table_id: int,
                         resolved: SchemaVersion) -> tuple[TablePlan, list[str]]:
@@ -215,7 +223,7 @@ class Plans:
             live = self.live(plan.table)
             problems = column_changes(plan, live)
         if problems:
-            coordinates = [n for n in plan.columns if n in COORDINATE_COLUMNS]
+            coordinates = [n for n in plan.columns if n in WRITER_COLUMNS]
             raise ColumnsChanged(
                 f"{plan.table}: schema version {plan.version} was registered against "
                 f"columns the live table no longer has ({'; '.join(problems)}); its rows "

@@ -13,13 +13,16 @@ positions, in order, into one insert.
 Kafka coordinates: a table with columns ``_topic``, ``_partition`` and ``_offset``
 gets them filled from the message each row came from, which makes every block's
 content unique and so defeats 18.16's content-hash deduplication dropping a *new*
-block that happens to equal a recent one.
+block that happens to equal a recent one. A table that also has ``_incarnation``
+gets the batch's topic incarnation there (``Pins.incarnation``), so a recreated
+topic's block at the same coordinates is another block too (the token carries the
+incarnation on 22.2+; this column is its content-hash counterpart).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, overload
 
 import numpy as np
@@ -40,6 +43,14 @@ I64 = npt.NDArray[np.int64]
 
 COORDINATE_COLUMNS: Final = ("_topic", "_partition", "_offset")
 """Optional columns the writer fills with the row's Kafka coordinates."""
+
+INCARNATION_COLUMN: Final = "_incarnation"
+"""Optional ``UInt64`` column the writer fills with the batch's topic incarnation
+(``Pins.incarnation``): with it, two incarnations of a topic never give a block the
+same content, and the re-send check counts only this incarnation's rows."""
+
+WRITER_COLUMNS: Final = (*COORDINATE_COLUMNS, INCARNATION_COLUMN)
+"""Every column blockagg fills itself; no message field may fill one."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,11 @@ class TablePlan:
     def coordinates(self) -> bool:
         return all(c in self.columns for c in COORDINATE_COLUMNS)
 
+    @property
+    def incarnation(self) -> bool:
+        """Whether the plan fills :data:`INCARNATION_COLUMN`."""
+        return INCARNATION_COLUMN in self.columns
+
 
 def match_columns(descriptor: Descriptor, columns: Sequence[Column]) -> tuple[
         dict[str, FieldDescriptor], list[str]]:
@@ -85,9 +101,10 @@ def match_columns(descriptor: Descriptor, columns: Sequence[Column]) -> tuple[
     whose name is equal ignoring case (if exactly one). Nested messages map to a
     ``Tuple`` column of the field's name (no flattening). Every field needs a
     column; every column without a default needs a field, except the coordinate
-    columns, which no field may fill (blockagg writes the Kafka topic, partition and
-    offset there: a producer's value could make two different blocks hash alike, and
-    the re-send check would count rows that are not the block's); types must convert
+    columns and ``_incarnation``, which no field may fill (blockagg writes the Kafka
+    topic, partition, offset and topic incarnation there: a producer's value could
+    make two different blocks hash alike, and the re-send check would count rows that
+    are not the block's); types must convert
     (:func:`aggregator.clickhouse.types.field_mismatch`).
     """
     fields = {fd.name: fd for fd in descriptor.fields}
@@ -103,17 +120,22 @@ def match_columns(descriptor: Descriptor, columns: Sequence[Column]) -> tuple[
         fd: FieldDescriptor | None = fields.get(col.name)
         if fd is None and len(lower.get(col.name.lower(), [])) == 1:
             fd = lower[col.name.lower()][0]
-        if fd is not None and col.name in COORDINATE_COLUMNS:
+        if fd is not None and col.name in WRITER_COLUMNS:
             problems.append(
                 f"field {fd.name} (number {fd.number}) of {descriptor.full_name} would fill "
                 f"column {col.name}, which blockagg fills with the message's Kafka "
-                "coordinates (they keep two equal blocks apart and let a re-send find "
-                "its rows); rename the field (its number stays, so the wire format "
-                "does not change) and its column")
+                "coordinates and topic incarnation (they keep two equal blocks apart and "
+                "let a re-send find its rows); rename the field (its number stays, so the "
+                "wire format does not change) and its column")
             used.add(fd.name)
             continue
+        if col.name == INCARNATION_COLUMN and col.type != "UInt64":
+            problems.append(f"column {col.name} is {col.type}; blockagg fills it with the "
+                            "topic incarnation, a 64-bit unsigned fingerprint: make it "
+                            f"UInt64 (ALTER TABLE ... MODIFY COLUMN {col.name} UInt64)")
+            continue
         if fd is None:
-            if col.name not in COORDINATE_COLUMNS and not col.default_kind:
+            if col.name not in WRITER_COLUMNS and not col.default_kind:
                 problems.append(f"column {col.name} {col.type} has no field in "
                                 f"{descriptor.full_name} and no DEFAULT")
             continue
@@ -141,7 +163,7 @@ def make_plan(table: str, table_id: int, version: int, descriptor: Descriptor,
     types: list[CHType] = []
     feeds: list[FieldDescriptor | None] = []
     for col in columns:
-        if col.name in mapping or col.name in COORDINATE_COLUMNS:
+        if col.name in mapping or col.name in WRITER_COLUMNS:
             if col.default_kind in ("MATERIALIZED", "ALIAS"):
                 continue
             names.append(col.name)
@@ -150,6 +172,25 @@ def make_plan(table: str, table_id: int, version: int, descriptor: Descriptor,
     plan = TablePlan(table, table_id, version, descriptor, tuple(names), tuple(types),
                      tuple(feeds), tuple(columns))
     return plan, problems
+
+
+def with_incarnation(plan: TablePlan, live: Sequence[Column]) -> TablePlan:
+    """``plan`` filling :data:`INCARNATION_COLUMN` too when the live table has it and
+    the plan does not (a version registered before the column was added): the
+    column is blockagg's, not the producer's, so adding it needs no new version. A
+    replay across that ``ALTER`` sends a block its first attempt did not; the
+    re-send check (``structure.resend_risk``) sees the ALTER and counts the rows
+    first, and refuses when rows of unknown incarnation are at the block's
+    coordinates (``writer._already_stored``). Pure."""
+    column = next((c for c in live if c.name == INCARNATION_COLUMN), None)
+    if (column is None or plan.incarnation or column.type != "UInt64"
+            or column.default_kind in ("MATERIALIZED", "ALIAS")):
+        return plan
+    live_columns = plan.live if any(c.name == INCARNATION_COLUMN for c in plan.live) else (
+        *plan.live, column)
+    return replace(plan, columns=(*plan.columns, INCARNATION_COLUMN),
+                   types=(*plan.types, parse_type(column.type)), fields=(*plan.fields, None),
+                   live=live_columns)
 
 
 @dataclass(frozen=True, eq=False)

@@ -127,22 +127,35 @@ def resend_risk(query: Query, table: str, mark: int) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Coordinates:
-    """The column names that hold each row's Kafka topic, partition and offset."""
+    """The column names that hold each row's Kafka topic, partition and offset, and
+    the optional one that holds the topic incarnation."""
 
     topic: str
     partition: str
     offset: str
+    incarnation: str
 
 
-TABLE_COORDINATES = Coordinates("_topic", "_partition", "_offset")
-DEAD_LETTER_COORDINATES = Coordinates("topic", "partition", "offset")
+TABLE_COORDINATES = Coordinates("_topic", "_partition", "_offset", "_incarnation")
+DEAD_LETTER_COORDINATES = Coordinates("topic", "partition", "offset", "incarnation")
 
 
-def landed_query(table: str, where: Coordinates) -> str:
+def landed_query(table: str, where: Coordinates, incarnation: bool = False) -> str:
     """How many rows of a block's offset range ``[first, last]`` of one topic-partition
-    a replica holds. A block holds every row of its table in that range (blocks of one
-    table never overlap), so the answer is 0 or the block's row count unless a copy
-    is half-replicated."""
-    return (f"SELECT count() FROM {table} WHERE `{where.topic}` = %(topic)s AND "
-            f"`{where.partition}` = %(partition)s AND "
-            f"`{where.offset}` BETWEEN %(first)s AND %(last)s")
+    a replica holds, as two counts: the rows of the block's incarnation
+    (``%(incarnation)s``) and the rows of unknown incarnation (``0``: written before
+    the table had the column). A block holds every row of its table in that range
+    (blocks of one table never overlap), so the first is 0 or the block's row count
+    unless a copy is half-replicated.
+
+    Without ``incarnation`` (the block carries no incarnation column) one count, of
+    every row in the range: the rows can't be told apart by incarnation, and only the
+    partition's start check (``aggregator.clickhouse.stored``) makes them this
+    incarnation's."""
+    where_sql = (f" FROM {table} WHERE `{where.topic}` = %(topic)s AND "
+                 f"`{where.partition}` = %(partition)s AND "
+                 f"`{where.offset}` BETWEEN %(first)s AND %(last)s")
+    if not incarnation:
+        return "SELECT count()" + where_sql
+    return (f"SELECT countIf(`{where.incarnation}` = %(incarnation)s), "
+            f"countIf(`{where.incarnation}` = 0)" + where_sql)

@@ -68,12 +68,14 @@ from blockagg.aggregator.clickhouse.native import (
 )
 from blockagg.aggregator.clickhouse.rows import (
     COORDINATE_COLUMNS,
+    INCARNATION_COLUMN,
     Column,
     ColumnSet,
     Payloads,
     Rows,
     TablePlan,
 )
+from blockagg.aggregator.clickhouse.stored import StoredRange, stored_ranges, unmarked_tables
 from blockagg.aggregator.clickhouse.structure import (
     DEAD_LETTER_COORDINATES,
     TABLE_COORDINATES,
@@ -279,6 +281,14 @@ class WriterConfig:
     allow_without_coordinates: frozenset[str] = frozenset()
     """``clickhouse.allow_tables_without_coordinates``: tables accepted without the
     coordinate columns on a content-hash server (:meth:`ClickHouseBlockWriter.check_tables`)."""
+    allow_stored_coordinates: bool = False
+    """``clickhouse.allow_stored_coordinates``: partitions were let start into tables
+    holding rows at their coordinates (``aggregator.clickhouse.stored``), so in a
+    table without ``_incarnation`` the re-send check can't take the rows it counts
+    for this incarnation's, and settles nothing by them."""
+    dead_letter_columns_ttl_s: float = 60.0
+    """How long the dead-letter table's columns are taken as known (whether it has the
+    ``incarnation`` column) before they are read again."""
     earlier_attempt_wait_s: float = 360.0
     """How long the re-send check waits, in place, for an earlier attempt of the block
     still running on a replica before it gives up (:class:`Unsettled`, retried). Such
@@ -386,6 +396,7 @@ class TableInfo:
     columns: tuple[Column, ...]
     engine: str
     coordinates: bool
+    incarnation: bool = False
 
 
 class ClickHouseBlockWriter:
@@ -411,6 +422,7 @@ class ClickHouseBlockWriter:
         self._structure = StructureCache()
         self._dedup_ages: dict[str, int | None] = {}
         self._windows: dict[str, tuple[float, DedupWindow]] = {}
+        self._dead_letter_seen: tuple[float, bool] | None = None
 
     def _client(self, replica: Replica) -> Client:
         """This thread's client of ``replica``."""
@@ -478,7 +490,8 @@ class ClickHouseBlockWriter:
             {"db": database, "t": name})
         names = {c.name for c in columns}
         return TableInfo(table, columns, str(engine[0][0]) if engine else "",
-                         all(c in names for c in COORDINATE_COLUMNS))
+                         all(c in names for c in COORDINATE_COLUMNS),
+                         INCARNATION_COLUMN in names)
 
     def check_tables(self, tables: Sequence[str], need: DedupNeed | None = None,
                      allow_small_window: bool = False) -> list[str]:
@@ -663,10 +676,13 @@ class ClickHouseBlockWriter:
         data = self.block_data(block, batch, numpy=False)
         return data.names, data.columns
 
-    def block_data(self, block: Block, batch: Batch, numpy: bool | None = None) -> BlockData:
+    def block_data(self, block: Block, batch: Batch, numpy: bool | None = None,
+                   dead_letter_incarnation: bool = False) -> BlockData:
         """The block's insert, rows in position order: numpy arrays when ``numpy``
         (default: the configuration and the driver allow it) and every column
         converted to an array of a :data:`NUMPY_TYPES` type, else Python lists.
+        ``dead_letter_incarnation``: the dead-letter table has the ``incarnation``
+        column (:meth:`_dead_letter_incarnation`), which a dead-letter block then fills.
 
         Pure: the same block over the same batch always gives the same data."""
         bulk = (batch.payloads.runs(block.positions)
@@ -691,8 +707,11 @@ class ClickHouseBlockWriter:
                         f"block of the dead-letter table holds a {type(payload).__name__} "
                         "payload; the task must pass a DeadLetter (make_dead_letter)")
                 rows.append(payload.row())
-            return BlockData(DEAD_LETTER_COLUMNS,
-                             [list(col) for col in zip(*rows, strict=True)], False)
+            columns = [list(col) for col in zip(*rows, strict=True)]
+            if dead_letter_incarnation:
+                return BlockData((*DEAD_LETTER_COLUMNS, DEAD_LETTER_COORDINATES.incarnation),
+                                 [*columns, [batch.pins.incarnation] * len(rows)], False)
+            return BlockData(DEAD_LETTER_COLUMNS, columns, False)
         rows_payloads: list[Rows] = []
         for payload in payloads:
             if not isinstance(payload, Rows):
@@ -717,6 +736,8 @@ class ClickHouseBlockWriter:
                 j = plan.columns.index(name) if name in plan.columns else -1
                 if j < 0:
                     col.extend([fills[name]] * payload.count)
+                elif plan.fields[j] is None and name == INCARNATION_COLUMN:
+                    col.extend([batch.pins.incarnation] * payload.count)
                 elif plan.fields[j] is None and name in COORDINATE_COLUMNS:
                     value = (block.topic if name == "_topic" else block.partition
                              if name == "_partition" else int(batch.offsets[pos]))
@@ -726,6 +747,44 @@ class ClickHouseBlockWriter:
                     col.extend(part.tolist() if hasattr(part, "tolist") else part)
             values.append(col)
         return BlockData(names, values, False)
+
+    def _dead_letter_incarnation(self) -> bool:
+        """Whether the dead-letter table has the ``incarnation`` column (re-read every
+        ``dead_letter_columns_ttl_s``): dead-letter blocks then carry the batch's topic
+        incarnation there, as table blocks carry ``_incarnation``. Not pinned: a
+        replay across the ``ALTER`` that adds it sends a block its first attempt did
+        not, which the re-send check sees (the ALTER moved the structure mark) and
+        settles by the rows' coordinates before sending."""
+        now = self._clock()
+        seen = self._dead_letter_seen
+        if seen is None or now - seen[0] >= self.config.dead_letter_columns_ttl_s:
+            database, name = self.config.dead_letter_table.split(".", 1)
+            rows = self.query("SELECT count() FROM system.columns WHERE database = %(db)s "
+                              "AND table = %(t)s AND name = %(c)s AND type = 'UInt64'",
+                              {"db": database, "t": name,
+                               "c": DEAD_LETTER_COORDINATES.incarnation})
+            seen = self._dead_letter_seen = (now, bool(rows and int(rows[0][0])))
+        return seen[1]
+
+    def stored_coordinates(self, tables: Sequence[str], topic: str, partition: int,
+                           start: int) -> list[StoredRange]:
+        """The rows of ``topic[partition]`` at offsets ``start`` and above in those of
+        ``tables`` that can't tell topic incarnations apart (coordinate columns, no
+        incarnation column: :func:`~aggregator.clickhouse.stored.unmarked_tables`).
+        One ``system.columns`` query, then one count per such table; the task asks only
+        when a partition starts without a blockagg commit (docs/protocol.md)."""
+        wanted = set(tables)
+        columns: dict[str, set[str]] = {t: set() for t in wanted}
+        looked_for = sorted({getattr(c, f) for c in (TABLE_COORDINATES, DEAD_LETTER_COORDINATES)
+                             for f in ("topic", "partition", "offset", "incarnation")})
+        rows = self.query("SELECT database, table, name FROM system.columns WHERE name IN "
+                          "%(names)s", {"names": tuple(looked_for)})
+        for database, table, name in rows:
+            key = f"{database}.{table}"
+            if key in wanted:
+                columns[key].add(str(name))
+        targets = unmarked_tables(columns, self.config.dead_letter_table)
+        return stored_ranges(self.query, targets, topic, partition, start)
 
     def _numpy_eligible(self, block: Block, rows: int, sets: Sequence[ColumnSet]) -> bool:
         """Every column (of the block's column ``sets``, ``rows`` rows in all) an array
@@ -757,7 +816,9 @@ class ClickHouseBlockWriter:
         out: list[Any] = []
         for j, name in enumerate(plan.columns):
             col: Any
-            if plan.fields[j] is None and name in COORDINATE_COLUMNS:
+            if plan.fields[j] is None and name == INCARNATION_COLUMN:
+                col = np.full(n, batch.pins.incarnation, dtype=np.uint64)
+            elif plan.fields[j] is None and name in COORDINATE_COLUMNS:
                 if name == "_topic":
                     col = StringColumn.repeat(block.topic, n)
                 elif name == "_partition":
@@ -824,7 +885,8 @@ class ClickHouseBlockWriter:
         began = self._clock() if confirmed_at is None else min(confirmed_at, self._clock())
         table = (self.config.dead_letter_table if block.table_id == DEAD_LETTER_TABLE_ID
                  else block.table)
-        data = self.block_data(block, batch)
+        data = self.block_data(block, batch, dead_letter_incarnation=(
+            block.table_id == DEAD_LETTER_TABLE_ID and self._dead_letter_incarnation()))
         if not data.rows:
             return
         quoted = ", ".join(f"`{n}`" for n in data.names)
@@ -846,7 +908,8 @@ class ClickHouseBlockWriter:
             if (expired or (by_hash and (block.replay or attempts > 1
                                          or late > LATE_FIRST_SEND_S))) \
                     and self._already_stored(client, block, table, data,
-                                             batch.pins.structure, attempts, late, expired):
+                                             batch.pins.structure, attempts, late, expired,
+                                             batch.pins.incarnation):
                 return None
             if data.numpy and _is_driver_client(client):
                 return client.execute(sql, data.fresh(native=_is_native_client(client)),
@@ -925,7 +988,7 @@ class ClickHouseBlockWriter:
 
     def _already_stored(self, client: Client, block: Block, table: str, data: BlockData,
                         mark: int, attempt: int, late: float = 0.0,
-                        expired: str | None = None) -> bool:
+                        expired: str | None = None, incarnation: int = 0) -> bool:
         """Before a block is sent again under content-hash deduplication (or its first
         attempt goes out ``late`` seconds after its confirm), or a replay the server may
         have forgotten (``expired``: why): ``True`` when it is stored already and must
@@ -933,7 +996,17 @@ class ClickHouseBlockWriter:
         were at the intent's ``mark`` and the server still knows the block, or the block
         is in none of the replicas). Raises :class:`ReplayAcrossAlter` (or
         :class:`ReplayBeyondDedupAge`) when only the table's rows could tell and it has
-        no coordinate columns."""
+        no coordinate columns, or when the rows at the block's coordinates can't be told
+        to be of its topic ``incarnation``.
+
+        Which rows count as the block's: with the incarnation column in the block,
+        those of its ``incarnation`` (another incarnation's rows at the same
+        coordinates are another topic's); rows of unknown incarnation there (written
+        before the table had the column) with none of its own refuse, since the first
+        attempt may predate the column. Without it, every row at the coordinates,
+        which the partition's start check (``aggregator.clickhouse.stored``) proves
+        this incarnation's, unless ``allow_stored_coordinates`` waived that check:
+        then any row there refuses."""
         risk = expired or resend_risk(functools.partial(_execute, client), table, mark)
         if risk is None:
             return False
@@ -947,52 +1020,78 @@ class ClickHouseBlockWriter:
         else:
             coordinates = None
         if coordinates is None:
-            if expired:
-                choice, setting = self.config.expired_replay, "expired_replay"
-                if choice == "refuse":
-                    raise ReplayBeyondDedupAge(expired_replay_error(where, risk, data.rows))
-            else:
-                choice, setting = self.config.replay_across_alter, "replay_across_alter"
-                if choice == "refuse":
-                    raise ReplayAcrossAlter(
-                        replay_across_alter_error(where, kind, risk, data.rows))
-            log.warning("block %s (%s) %s although %s: %s = %r", where, kind,
-                        "not sent" if choice == "skip" else "sent again", risk, setting, choice)
-            return choice == "skip"
+            refusal = (expired_replay_error(where, risk, data.rows) if expired
+                       else replay_across_alter_error(where, kind, risk, data.rows))
+            return self._unsettled_resend(where, kind, risk, refusal, bool(expired))
         running = self._wait_for_earlier_attempt(block_query_id(block), where)
         if running:
             raise Unsettled(f"block {where}: {risk}; an earlier attempt of it is still "
                             f"running on {', '.join(running)}, so its rows can't be "
                             "counted yet")
+        marked = coordinates.incarnation in data.names
         params = {"topic": block.topic, "partition": block.partition,
-                  "first": block.first, "last": block.last}
-        sql = landed_query(table, coordinates)
+                  "first": block.first, "last": block.last,
+                  **({"incarnation": incarnation} if marked else {})}
+        sql = landed_query(table, coordinates, marked)
         counts: list[int | None] = []
+        unknown: list[int | None] = []
         for replica in self.config.replicas:
             try:
-                counts.append(int(self._client(replica).execute(sql, params)[0][0]))
+                row = self._client(replica).execute(sql, params)[0]
+                counts.append(int(row[0]))
+                unknown.append(int(row[-1]))
             except Exception:
                 self._drop(replica)
                 counts.append(None)
+                unknown.append(None)
         full = sum(c is not None and c >= data.rows for c in counts)
         if any(c is not None and c > data.rows for c in counts):
             log.error("block %s (%s): %s, and some replica holds more than its %d rows "
                       "(rows in its range per replica: %s): stored more than once already; "
                       "not sent again. Check with arv audit", where, kind, risk, data.rows,
                       counts)
+        if (not marked and self.config.allow_stored_coordinates
+                and any(c for c in counts)):
+            return self._unsettled_resend(where, kind, risk, unattributable_error(
+                where, kind, risk, table, coordinates, counts, "has no "
+                f"{coordinates.incarnation} column and clickhouse.allow_stored_coordinates "
+                "let the partition start without checking that no other incarnation's "
+                "rows are there"), bool(expired))
         if full >= max(1, self.config.insert_quorum):
             log.info("block %s (%s) not sent again: %s, and its %d rows are stored "
                      "(rows in its range per replica: %s)", where, kind, risk, data.rows, counts)
             return True
+        if all(c == 0 for c in counts) and marked and any(u for u in unknown):
+            return self._unsettled_resend(where, kind, risk, unattributable_error(
+                where, kind, risk, table, coordinates, unknown, "holds rows there written "
+                f"before it had the {coordinates.incarnation} column (0), which may be this "
+                "block's first attempt or an earlier topic incarnation's"))
         if all(c == 0 for c in counts):
             log.info("block %s (%s) sent again: %s, and none of its rows is stored",
                      where, kind, risk)
             return False
         if len(set(counts)) == 1 and None not in counts:
             raise ReplayAcrossAlter(partly_stored_error(where, kind, risk, counts[0] or 0,
-                                                        data.rows, coordinates))
+                                                        data.rows, coordinates,
+                                                        incarnation if marked else None))
         raise Unsettled(f"block {where}: {risk}; its rows in each replica: {counts} of "
                         f"{data.rows} (a replica down or a copy still replicating)")
+
+    def _unsettled_resend(self, where: str, kind: str, risk: str, refusal: str,
+                          expired: bool = False) -> bool:
+        """A re-send the table's rows can't settle: refused (``ReplayAcrossAlter``, or
+        ``ReplayBeyondDedupAge`` for a replay the server may have forgotten; nothing
+        sent), or the operator's one-restart choice of ``clickhouse.replay_across_alter``
+        (``clickhouse.expired_replay``) (``True``: skip it)."""
+        if expired:
+            choice, setting = self.config.expired_replay, "expired_replay"
+        else:
+            choice, setting = self.config.replay_across_alter, "replay_across_alter"
+        if choice == "refuse":
+            raise (ReplayBeyondDedupAge if expired else ReplayAcrossAlter)(refusal)
+        log.warning("block %s (%s) %s although %s: %s = %r", where, kind,
+                    "not sent" if choice == "skip" else "sent again", risk, setting, choice)
+        return choice == "skip"
 
     def _wait_for_earlier_attempt(self, query_id: str, where: str) -> list[str]:
         """:meth:`_still_running`, polled every second until no replica runs the
@@ -1176,8 +1275,22 @@ def replay_across_alter_error(where: str, kind: str, risk: str, rows: int) -> st
             "from the next block on; on 22.2+ servers the block's token makes this moot.")
 
 
+def unattributable_error(where: str, kind: str, risk: str, table: str,
+                         coordinates: Coordinates, counts: Sequence[int | None],
+                         why: str) -> str:
+    """The refusal of a re-send whose table holds rows at the block's coordinates that
+    may be another topic incarnation's. Pure."""
+    return (f"block {where} must be sent again ({kind}), but {risk}, and {table} "
+            f"{why}: rows in the block's range per replica {list(counts)}. Counting them as "
+            "the block's could lose it, sending it could store it twice. Nothing was sent. "
+            f"Look for the block's rows in {table}; then restart once with "
+            "clickhouse.replay_across_alter = \"skip\" if they are there or \"insert\" if "
+            f"they are not, and set it back; adding {coordinates.incarnation} UInt64 to "
+            f"{table} lets blockagg tell incarnations apart from the next batch on.")
+
+
 def partly_stored_error(where: str, kind: str, risk: str, stored: int, rows: int,
-                        coordinates: Coordinates) -> str:
+                        coordinates: Coordinates, incarnation: int | None = None) -> str:
     """The refusal of a re-send whose block is in every replica, but only in part: its
     rows span several partitions of the table (one part each) and an earlier attempt
     failed between them."""
@@ -1190,7 +1303,9 @@ def partly_stored_error(where: str, kind: str, risk: str, stored: int, rows: int
             f"those {stored} rows twice, sending nothing would lose the rest. Nothing was "
             f"sent. Delete the stored part (ALTER TABLE {table} DELETE WHERE "
             f"{coordinates.topic} = '{topic}' AND {coordinates.partition} = {partition} AND "
-            f"{coordinates.offset} BETWEEN {first} AND {last}) and wait for the mutation on "
+            f"{coordinates.offset} BETWEEN {first} AND {last}"
+            + ("" if incarnation is None else f" AND {coordinates.incarnation} = {incarnation}")
+            + ") and wait for the mutation on "
             "every replica; then restart the job: with none of its rows stored, the block "
             "is sent whole.")
 

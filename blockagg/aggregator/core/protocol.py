@@ -200,8 +200,12 @@ def _pins_for(where: str, resumption: Resumption, current: Pins) -> Pins:
             "to its earliest offset (kafka-consumer-groups.sh --group <metadata group> "
             "--topic <topic> --reset-offsets --to-earliest --execute), delete the job's "
             "checkpoint_location (Spark's offsets are the old topic's) and start it: every "
-            "message of the new topic is then delivered, under new deduplication tokens, "
-            "so none is lost or taken for an old block." + lost
+            "message of the new topic is then delivered and none is taken for an old "
+            "block, on ClickHouse 22.2+ by tokens that carry the incarnation, before 22.2 "
+            "by the _incarnation column (incarnation in the dead-letter table) that blockagg "
+            "fills; a table without it that still holds the old topic's rows at those "
+            "offsets refuses the partition (CoordinatesInUse) instead of losing blocks "
+            "equal to old ones." + lost
         )
     if not metadata.blocks:
         return current
