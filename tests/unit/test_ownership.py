@@ -59,7 +59,7 @@ def test_another_group_is_refused_naming_owner_offsets_and_ways_on() -> None:
 
 
 def test_a_take_over_naming_another_group_than_the_owner_is_refused() -> None:
-    with pytest.raises(TopicOwned, match="job.take_over_from names 'c', not the owner"):
+    with pytest.raises(TopicOwned, match=r"job\.take_over_from names 'c', not the owner"):
         decide(KEY, _owned("a"), "b", "c", 5)
 
 
@@ -86,7 +86,7 @@ def test_history_is_bounded() -> None:
     assert len(claim.history) == HISTORY_KEPT and claim.owner == f"g{HISTORY_KEPT + 4}"
 
 
-names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20)
+names = st.text(st.characters(exclude_categories=["Cs"]), min_size=1, max_size=20)
 
 
 @settings(derandomize=True, max_examples=200)
@@ -163,7 +163,7 @@ def test_config_take_over_and_owners_topic() -> None:
     assert loads(BASE.format(job="")).job.take_over_from == ""
     with pytest.raises(ConfigError, match="job's own metadata_group_id"):
         loads(BASE.format(job='take_over_from = "blockagg"'))
-    with pytest.raises(ConfigError, match="job.take_over_from: must not contain whitespace"):
+    with pytest.raises(ConfigError, match=r"job\.take_over_from: must not contain whitespace"):
         loads(BASE.format(job='take_over_from = "a b"'))
     with pytest.raises(ConfigError, match="ownership topic must be separate"):
         loads(BASE.format(job='owners_topic = "t"'))
