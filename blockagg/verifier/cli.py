@@ -26,10 +26,11 @@ from blockagg.aggregator.clickhouse.cli_tls import default_endpoint, tls_from_fl
 from blockagg.aggregator.core.metadata import Metadata
 from blockagg.aggregator.kafka.ownership import DEFAULT_TOPIC as DEFAULT_OWNERS_TOPIC
 from blockagg.proto.envelope import is_table_name
+from blockagg.verifier import ownership
 from blockagg.verifier.audit import DEFAULT_EXAMPLES, AuditReport, audit_partitions, make_plan
 from blockagg.verifier.exceptions import VerifierError
 from blockagg.verifier.history import DecodeFailure, HistoryReader, Tombstone, parse_settings
-from blockagg.verifier.ownership import OwnershipConflict, read_conflicts
+from blockagg.verifier.ownership import OwnershipConflict
 from blockagg.verifier.rules import Anomaly, AnomalyKind, Commit, Verifier
 
 EXIT_CLEAN: Final = 0
@@ -305,7 +306,8 @@ def _verify(
         finally:
             if server is not None:
                 server.shutdown()
-    owned = read_conflicts(bootstrap_servers, settings, owners_topic, committed_topics, timeout)
+    owned = ownership.read_conflicts(bootstrap_servers, settings, owners_topic,
+                                     committed_topics, timeout)
     for conflict in owned:
         report.add_conflict(conflict)
     missing = sorted(set(groups) - seen_groups)
@@ -507,7 +509,7 @@ def _audit(bootstrap_servers: str, group: str, topics: list[str],
             for note in partition.notes:
                 click.echo(f"arv: warning: {note}", err=True)
             report.add(partition)
-    owned = read_conflicts(bootstrap_servers, settings, owners_topic,
+    owned = ownership.read_conflicts(bootstrap_servers, settings, owners_topic,
                            [(group, t) for t in plan.topics], timeout)
     for conflict in owned:
         if as_json:
