@@ -65,6 +65,8 @@ def _record(job: Job, owners: str) -> Any:
 def _delivered(job: Job, config: Path, *flags: str) -> None:
     run = job.run(config, "--until-caught-up", *flags)
     assert run.code == 0, run.out[-6000:]
+    print("\n".join(line for line in run.out.splitlines()
+                    if "ownership:" in line or "start-up checks passed" in line))
 
 
 def test_a_second_group_is_refused_at_start_and_writes_nothing(job: Job) -> None:
