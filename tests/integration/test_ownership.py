@@ -137,7 +137,8 @@ def test_a_deliberate_take_over_continues_where_the_owner_stopped(job: Job) -> N
 def test_rows_stored_without_a_record_refuse_a_new_group(job: Job) -> None:
     """A group that delivered before ownership was recorded (its record deleted here):
     a new group would deliver offsets the shard already stores; refused naming the
-    partitions, the highest stored offsets and the way to start after them."""
+    partitions, the highest stored offsets and the way to start after them. The group
+    that delivered them then claims the topic and goes on exactly once."""
     owners = _owners_topic()
     _delivered(job, _config(job, owners))
     store = OwnersStore({"bootstrap.servers": job.bootstrap}, owners)
@@ -152,6 +153,40 @@ def test_rows_stored_without_a_record_refuse_a_new_group(job: Job) -> None:
     print(line)
     assert _committed(job, group_b) == {}
     job.assert_exactly_once()
+
+    # the group that delivered them claims the topic, even stopped (kill -9) between
+    # inserting its last blocks and its next commit: that commit lists the blocks
+    # (resume offset at their start, rows stored up to their end), which it replays
+    # identically; it delivers anew only after them
+    _back_to_last_intent(job)
+    job.produce(10)
+    _delivered(job, _config(job, owners, "a2.toml", checkpoint="fresh-a"))
+    job.assert_exactly_once()
+    assert _record(job, owners).owner == job.group
+
+
+def _back_to_last_intent(job: Job) -> None:
+    """Each partition's commit set back to its last intent that lists blocks, as a
+    kill -9 after their inserts leaves it (the blocks' rows are stored)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from blockagg.aggregator.core.metadata import decode
+    from blockagg.verifier.history import HistoryReader
+    from blockagg.verifier.rules import Commit
+
+    with HistoryReader(job.bootstrap, [job.group], [job.topic]) as reader:
+        history = [e for e in reader.events() if isinstance(e, Commit)]
+    intents = {c.partition: (c.offset, text) for c in history
+               if (text := c.metadata.rstrip("\x00")).startswith("ba")
+               and decode(text).blocks}
+    assert intents, "no commit listed blocks"
+    consumer = Consumer({"bootstrap.servers": job.bootstrap, "group.id": job.group})
+    try:
+        consumer.commit(offsets=[TopicPartition(job.topic, p, offset, text)
+                                 for p, (offset, text) in intents.items()],
+                        asynchronous=False)
+    finally:
+        consumer.close()
 
 
 def _tombstone(job: Job, owners: str, key: ClaimKey) -> None:
