@@ -218,6 +218,9 @@ class Bench:
 name = "{group}"
 metadata_group_id = "{group}"
 checkpoint_location = "{self.folder / ('cp-' + tag)}"
+# each measured mode re-delivers the one topic into fresh tables under its own group,
+# on purpose: its own ownership records (docs/running.md, One group per topic)
+owners_topic = "_blockagg_owners_{group}"
 trigger_interval = "{self.args.trigger}"
 starting_offsets = "earliest"
 handover = "{handover}"

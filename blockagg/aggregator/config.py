@@ -269,6 +269,11 @@ class JobConfig:
     handover: Literal["arrow", "rows"] = "arrow"
     dead_letter_missing_blocks: tuple[MissingBlock, ...] = ()
     idle_commit_interval: float = 3600.0
+    take_over_from: str = ""
+    """The group whose delivery of the job's topics this group takes over, once
+    (``--take-over``; ``aggregator.kafka.ownership``); "" for none."""
+    owners_topic: str = "_blockagg_owners"
+    """The compacted topic of the ownership records."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -612,6 +617,12 @@ def _group_id(value: object, path: str) -> str:
     return text
 
 
+def _take_over(value: object, path: str) -> str:
+    if value == "" or value is None:
+        return ""
+    return _group_id(value, path)
+
+
 def _starting(value: object, path: str) -> Literal["earliest", "latest"]:
     if value == "earliest":
         return "earliest"
@@ -846,6 +857,8 @@ def from_dict(
         dead_letter_missing_blocks=job_t.take("dead_letter_missing_blocks", _missing_blocks,
                                               ()),
         idle_commit_interval=job_t.take("idle_commit_interval", _duration, 3600.0),
+        take_over_from=job_t.take("take_over_from", _take_over, ""),
+        owners_topic=job_t.take("owners_topic", _nonempty, "_blockagg_owners"),
     )
     job_t.done()
     if job.lock_session_timeout >= job.lock_timeout:
@@ -985,6 +998,16 @@ def from_dict(
         raise ConfigError(
             f"schemas.topic = {schemas.topic!r} is also a data topic in [[topics]]: the "
             "registry topic must be separate"
+        )
+    if any(t.matches(job.owners_topic) for t in topics):
+        raise ConfigError(
+            f"job.owners_topic = {job.owners_topic!r} is also a data topic in [[topics]]: "
+            "the ownership topic must be separate"
+        )
+    if job.take_over_from == job.metadata_group_id:
+        raise ConfigError(
+            f"job.take_over_from = {job.take_over_from!r} is the job's own "
+            "metadata_group_id: name the group to take over from, or leave it unset"
         )
 
     dl_t = _Table(root.take_raw("dead_letters") or {}, "dead_letters")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import sys
 import tomllib
 from collections.abc import Mapping
@@ -40,6 +41,9 @@ def _toml_value(text: str) -> Any:
               help="The TOML configuration file.")
 @click.option("--bootstrap-servers", help="Override [kafka] bootstrap.servers.")
 @click.option("--group", help="Override [job] metadata_group_id.")
+@click.option("--take-over", "take_over", metavar="GROUP",
+              help="Take over the delivery of the topics from GROUP, which owns it now "
+                   "(job.take_over_from); its job must be stopped.")
 @click.option("--checkpoint-location", help="Override [job] checkpoint_location.")
 @click.option("--trigger-interval", help="Override [job] trigger_interval, e.g. 1s.")
 @click.option("--max-offsets-per-trigger", type=int,
@@ -55,6 +59,7 @@ def _toml_value(text: str) -> Any:
 @click.option("--log-format", type=click.Choice(["json", "text"]), default=None,
               help="Log lines as JSON (default) or key=value text.")
 def main(config_path: str, bootstrap_servers: str | None, group: str | None,
+         take_over: str | None,
          checkpoint_location: str | None, trigger_interval: str | None,
          max_offsets_per_trigger: int | None, starting_offsets: str | None,
          metrics_port: int | None, sets: tuple[str, ...], until_caught_up: bool,
@@ -64,6 +69,7 @@ def main(config_path: str, bootstrap_servers: str | None, group: str | None,
     overrides: dict[str, object] = {
         "kafka.bootstrap.servers": bootstrap_servers,
         "job.metadata_group_id": group,
+        "job.take_over_from": take_over,
         "job.checkpoint_location": checkpoint_location,
         "job.trigger_interval": trigger_interval,
         "job.max_offsets_per_trigger": max_offsets_per_trigger,
@@ -108,9 +114,11 @@ def run(config: Config, until_caught_up: bool) -> int:
     """Start-up checks, Spark, the query; the exit code. A refusal or failure is one
     log line naming the thing and the fix (its trace only at DEBUG)."""
     log = logs.get("job")
+    run_id = config.job.run_id if config.job.run_id is not None else secrets.randbits(64)
     try:
         try:
-            preflight.run(config, clickhouse=not os.environ.get("BLOCKAGG_COMPONENTS"))
+            preflight.run(config, clickhouse=not os.environ.get("BLOCKAGG_COMPONENTS"),
+                          run_id=f"{run_id:016x}")
         finally:
             if os.environ.get("PYSPARK_GATEWAY_PORT"):  # under spark-submit, the JVM
                 from blockagg.spark.driver import spark_log_level  # runs: keep its exit
@@ -129,7 +137,7 @@ def run(config: Config, until_caught_up: bool) -> int:
                        "depends on), or a batch's blocks to the tables' deduplication "
                        "windows (dedup_windows): forward these from the components you "
                        "wrap")
-        driver = Driver(config, spark, components)
+        driver = Driver(config, spark, components, run_id=run_id)
         driver.install_signal_handlers()
         driver.metrics.serve(config.metrics.port, config.metrics.host)
         try:

@@ -24,10 +24,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.cli_tls import default_endpoint, tls_from_flags, tls_options
 from blockagg.aggregator.core.metadata import Metadata
+from blockagg.aggregator.kafka.ownership import DEFAULT_TOPIC as DEFAULT_OWNERS_TOPIC
 from blockagg.proto.envelope import is_table_name
+from blockagg.verifier import ownership
 from blockagg.verifier.audit import DEFAULT_EXAMPLES, AuditReport, audit_partitions, make_plan
 from blockagg.verifier.exceptions import VerifierError
 from blockagg.verifier.history import DecodeFailure, HistoryReader, Tombstone, parse_settings
+from blockagg.verifier.ownership import OwnershipConflict
 from blockagg.verifier.rules import Anomaly, AnomalyKind, Commit, Verifier
 
 EXIT_CLEAN: Final = 0
@@ -131,6 +134,15 @@ class Report:
             self.out.write("\t".join(row) + "\n")
         self.out.flush()
 
+    def add_conflict(self, conflict: OwnershipConflict) -> None:
+        """A group delivering a topic that another group owns: an anomaly."""
+        self.anomalies += 1
+        if self.as_json:
+            self.out.write(json.dumps(conflict.as_dict(), sort_keys=True) + "\n")
+        else:
+            self.out.write(f"ownership conflict: {conflict.detail}\n")
+        self.out.flush()
+
 
 def _parse_start(values: tuple[str, ...]) -> dict[int, int]:
     start: dict[int, int] = {}
@@ -185,6 +197,10 @@ def cli() -> None:
 @click.option("-X", "--setting", "settings", multiple=True, metavar="KEY=VALUE",
               help="Kafka client setting passed through (e.g. -X security.protocol=SSL); "
                    "repeatable.")
+@click.option("--owners-topic", default=DEFAULT_OWNERS_TOPIC, show_default=True,
+              metavar="TOPIC", help="The ownership records' topic (the job's "
+              "job.owners_topic): a group delivering a topic another group owns is an "
+              "anomaly.")
 def verify(
     bootstrap_servers: str,
     groups: tuple[str, ...],
@@ -199,6 +215,7 @@ def verify(
     require_commits: bool,
     timeout: float,
     settings: tuple[str, ...],
+    owners_topic: str,
 ) -> None:
     """Check the committed metadata history of GROUP(s) for Backward, Overlap and Gap.
 
@@ -215,7 +232,7 @@ def verify(
     try:
         code = _verify(bootstrap_servers, groups, topics, as_json, follow, duration,
                        metrics_port, metrics_addr, start_offsets, strict, timeout, passthrough,
-                       require_commits)
+                       require_commits, owners_topic)
     except VerifierError as exc:
         click.echo(f"arv: error: {exc}", err=True)
         sys.exit(EXIT_CANNOT_RUN)
@@ -236,12 +253,14 @@ def _verify(
     timeout: float,
     settings: dict[str, str],
     require_commits: bool = True,
+    owners_topic: str = DEFAULT_OWNERS_TOPIC,
 ) -> int:
     report = Report(click.get_text_stream("stdout"), as_json, strict)
     metrics = Metrics() if follow else None
     server: Any = None
     decode_failures = 0
     seen_groups: set[str] = set()
+    committed_topics: set[tuple[str, str]] = set()
     with HistoryReader(bootstrap_servers, groups, topics, settings, start, timeout) as reader:
         if not reader.partitions:
             click.echo(f"arv: warning: {bootstrap_servers} has no __consumer_offsets topic "
@@ -267,6 +286,7 @@ def _verify(
                 for event in reader.events(follow=follow, stop=stop, tick=tick):
                     if isinstance(event, Commit):
                         seen_groups.add(event.group)
+                        committed_topics.add((event.group, event.topic))
                         anomalies = verifier.observe(event)
                         for anomaly in anomalies:
                             report.add(anomaly)
@@ -286,6 +306,10 @@ def _verify(
         finally:
             if server is not None:
                 server.shutdown()
+    owned = ownership.read_conflicts(bootstrap_servers, settings, owners_topic,
+                                     committed_topics, timeout)
+    for conflict in owned:
+        report.add_conflict(conflict)
     missing = sorted(set(groups) - seen_groups)
     for group in missing:
         click.echo(f"arv: {'error' if require_commits else 'warning'}: no offset commit of "
@@ -296,7 +320,8 @@ def _verify(
     click.echo(
         f"arv: checked {verifier.commits_checked} commits of {verifier.partitions} "
         f"partitions ({reader.records_read} records read): {report.anomalies} anomalies, "
-        f"{report.notices} notices, {verifier.tombstones} tombstones, "
+        f"{report.notices} notices, {len(owned)} ownership conflicts, "
+        f"{verifier.tombstones} tombstones, "
         f"{decode_failures} undecodable records", err=True)
     if report.anomalies:
         return EXIT_ANOMALIES
@@ -401,6 +426,10 @@ def _parse_table(value: str, option: str) -> str:
 @click.option("--clickhouse-setting", "ch_settings", multiple=True, metavar="KEY=VALUE",
               help="ClickHouse query setting (e.g. max_bytes_before_external_sort=...); "
                    "repeatable.")
+@click.option("--owners-topic", default=DEFAULT_OWNERS_TOPIC, show_default=True,
+              metavar="TOPIC", help="The ownership records' topic (the job's "
+              "job.owners_topic): a group delivering a topic another group owns is an "
+              "anomaly.")
 def audit(
     bootstrap_servers: str,
     group: str,
@@ -420,6 +449,7 @@ def audit(
     timeout: float,
     settings: tuple[str, ...],
     ch_settings: tuple[str, ...],
+    owners_topic: str,
 ) -> None:
     """Prove that ClickHouse holds every message GROUP delivered exactly once.
 
@@ -450,7 +480,7 @@ def audit(
         code = _audit(bootstrap_servers, group, list(topics), start, host, int(port),
                       clickhouse_user, password, list(databases), table_names, dlt, examples,
                       as_json, timeout, passthrough, query_settings,
-                      tls)
+                      tls, owners_topic)
     except VerifierError as exc:
         click.echo(f"arv: error: {exc}", err=True)
         sys.exit(EXIT_CANNOT_RUN)
@@ -461,7 +491,8 @@ def _audit(bootstrap_servers: str, group: str, topics: list[str],
            start: dict[tuple[str | None, int], int], host: str, port: int, user: str,
            password: str, databases: list[str], tables: list[str], dlt: str | None,
            examples: int, as_json: bool, timeout: float, settings: dict[str, str],
-           query_settings: dict[str, str], tls: dict[str, Any]) -> int:
+           query_settings: dict[str, str], tls: dict[str, Any],
+           owners_topic: str = DEFAULT_OWNERS_TOPIC) -> int:
     from blockagg.verifier.audit_sources import ClickHouseAuditReader, KafkaAuditReader
 
     report = AuditReport(click.get_text_stream("stdout"), as_json)
@@ -478,14 +509,22 @@ def _audit(bootstrap_servers: str, group: str, topics: list[str],
             for note in partition.notes:
                 click.echo(f"arv: warning: {note}", err=True)
             report.add(partition)
+    owned = ownership.read_conflicts(bootstrap_servers, settings, owners_topic,
+                           [(group, t) for t in plan.topics], timeout)
+    for conflict in owned:
+        if as_json:
+            click.echo(json.dumps(conflict.as_dict(), sort_keys=True))
+        else:
+            click.echo(f"ownership conflict: {conflict.detail}")
     s = report.summary
     elapsed = time.monotonic() - begun
     click.echo(
         f"arv: audited {len(plan.tables)} tables over {s.partitions} partitions of "
         f"{len(plan.topics)} topics in {elapsed:.1f}s: {s.messages_read} messages read, "
         f"{s.count_rows_read} offset counts read, {s.unaudited_messages} messages of "
-        f"unaudited tables, {s.discrepancies} discrepancies", err=True)
-    return EXIT_ANOMALIES if s.discrepancies else EXIT_CLEAN
+        f"unaudited tables, {s.discrepancies} discrepancies, {len(owned)} ownership "
+        "conflicts", err=True)
+    return EXIT_ANOMALIES if s.discrepancies or owned else EXIT_CLEAN
 
 
 def main() -> None:

@@ -150,3 +150,8 @@ class ClickHouseAuthFailed(ClickHouseError):
 
 class DeadLetterTableInvalid(ClickHouseError):
     """The dead-letter table is missing on a replica or lacks an expected column."""
+
+
+class RowsAlreadyStored(ClickHouseError):
+    """A start would deliver offsets whose rows the shard already stores (another group
+    delivered them): refused at start, before anything is written."""

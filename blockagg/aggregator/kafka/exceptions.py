@@ -41,3 +41,17 @@ class KafkaUnreachable(KafkaAdapterError):
 
 class TopicMissing(KafkaAdapterError):
     """A configured topic (or every topic of a pattern) does not exist on the cluster."""
+
+
+class OwnershipStoreError(KafkaAdapterError):
+    """The ownership topic (``aggregator.kafka.ownership``) could not be read or
+    written, or holds a record blockagg did not write."""
+
+
+class TopicOwned(KafkaAdapterError):
+    """Another metadata group delivers the topic into the shard (invariant 8): refused
+    at start, naming the owner and the ways on."""
+
+
+class ClaimRaced(KafkaAdapterError):
+    """An ownership record changed between the start's decision and its write."""

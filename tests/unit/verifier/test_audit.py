@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
 from blockagg.proto.envelope import Parsed, make_envelope, parse_envelope
 from blockagg.verifier import audit_sources
+from blockagg.verifier import ownership as verifier_ownership
 from blockagg.verifier.audit import (
     AuditPlan,
     Committed,
@@ -26,6 +27,7 @@ from blockagg.verifier.audit import (
 )
 from blockagg.verifier.cli import cli
 from blockagg.verifier.exceptions import AuditError
+from blockagg.verifier.ownership import OwnershipConflict
 
 A, B, DLT = "db.a", "db.b", "blockagg.dead_letters"
 AUDITED = frozenset({A, B})
@@ -339,6 +341,13 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     monkeypatch.setattr(audit_sources, "KafkaAuditReader", kafka)
     monkeypatch.setattr(audit_sources, "ClickHouseAuditReader", clickhouse)
+
+    def conflicts(bootstrap: str, settings: Any, owners_topic: str, pairs: Any,
+                  timeout: float) -> list[Any]:
+        holder["args"]["ownership"] = (owners_topic, list(pairs))
+        return list(holder.get("conflicts", []))
+
+    monkeypatch.setattr(verifier_ownership, "read_conflicts", conflicts)
     return holder
 
 
@@ -370,6 +379,18 @@ def test_cli_clean_json(fakes: dict[str, Any]) -> None:
     assert "0 discrepancies" in stderr and "s3cret" not in stderr + stdout
     host, port, user, password, _, _, tls = fakes["args"]["clickhouse"]
     assert (host, port, user, password, tls) == ("ch", 9000, "default", "s3cret", {})
+
+
+def test_cli_an_ownership_conflict_exits_1(fakes: dict[str, Any]) -> None:
+    """The group committed offsets of a topic another group owns (issue 26): the rows
+    may all be there once for this group, and the topic is still stored twice."""
+    fakes["conflicts"] = [OwnershipConflict("g", "t", "owner", "ch:9000", 0)]
+    code, stdout, stderr = invoke(*BASE, "--owners-topic", "_owners")
+    assert code == 1, stderr
+    assert "ownership conflict: group g committed offsets of topic t, which group owner" \
+        in stdout
+    assert "0 discrepancies, 1 ownership conflicts" in stderr
+    assert fakes["args"]["ownership"][0] == "_owners"
 
 
 def test_cli_discrepancies_human_table(fakes: dict[str, Any]) -> None:
