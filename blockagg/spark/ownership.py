@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 from blockagg.aggregator import logs
 from blockagg.aggregator.clickhouse.exceptions import RowsAlreadyStored
-from blockagg.aggregator.clickhouse.stored_offsets import (
+from blockagg.aggregator.clickhouse.stored import (
     coordinate_tables,
     overlaps,
     stored_top,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockagg.aggregator.clickhouse.stored_offsets import overlaps, stored_top_query
+from blockagg.aggregator.clickhouse.stored import overlaps, stored_top_query
 from blockagg.aggregator.config import loads
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
 from blockagg.aggregator.core.model import Committed
