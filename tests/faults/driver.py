@@ -457,14 +457,19 @@ def recreate_topic(job: Job, rng: random.Random) -> dict[str, Any]:
     group's offsets of the topic to the earliest, delete the job's checkpoint, start
     it. Nothing is produced meanwhile.
 
-    The job is stopped at a random moment (seeded), so messages of the old topic may
+    Once the job has stored what was produced before the fault, it is stopped at a
+    random moment (seeded) while the fault's share is produced, so messages of the old topic may
     still be unread: those go with the topic (the procedure's documented loss), and
     :meth:`Workload.retire_incarnation` stops expecting them; what the job had stored
     of the old topic stays expected exactly once, and every message of the new topic
     is expected exactly once, at the old one's coordinates."""
     workload = job.workload
+    # The job first stores what was produced before the fault, so that the new topic's
+    # messages meet old rows at their coordinates; this fault's share is being produced
+    # meanwhile, some of it still unread when the job stops.
+    info: dict[str, Any] = {"old_stored_first": checker.caught_up(
+        workload, RECREATE_WARM_S, want=checker.produced_counts(workload)) is not None}
     time.sleep(rng.uniform(0, 3))
-    info: dict[str, Any] = {}
     with job.lock, workload.producing():
         started = time.monotonic()
         job.stop()
@@ -479,6 +484,9 @@ def recreate_topic(job: Job, rng: random.Random) -> dict[str, Any]:
         info["procedure_s"] = round(time.monotonic() - started, 1)
     return info
 
+
+RECREATE_WARM_S = 300.0
+"""How long ``topic_recreate`` waits for the job to store what was produced before it."""
 
 RETIRED = "retired.npz"
 """In the run's folder: what earlier incarnations of the topic left expected, for

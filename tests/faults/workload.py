@@ -542,8 +542,8 @@ class Workload:
                                    settings={"receive_timeout": int(timeout)})
             for client in clients:
                 for table in self.table_names():
-                    got = np.asarray(client.execute(f"SELECT id FROM {table}",
-                                                    columnar=True)[0] or [], dtype=np.uint64)
+                    columns = client.execute(f"SELECT id FROM {table}", columnar=True)
+                    got = np.asarray(columns[0] if columns else [], dtype=np.uint64)
                     ids[table] = np.union1d(ids.get(table, np.zeros(0, np.uint64)), got)
                 rows = client.execute(
                     f"SELECT topic, partition, offset, count() FROM {self.dead_letter_table} "
