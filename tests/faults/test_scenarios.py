@@ -5,8 +5,9 @@ died restarted, then caught up and checked: every delivered row exactly once per
 on both replicas, dead letters exactly once, ``arv verify`` and ``arv audit`` clean.
 
 * ``test_every_kind_once`` (``integration``, so CI runs it): one job, every kind of
-  :data:`tests.faults.driver.KINDS` injected once, in order.
-* ``test_scenario[kind]`` (``slow``): each kind alone, on its own workload and job.
+  :data:`tests.faults.driver.KINDS` but ``topic_recreate`` injected once, in order.
+* ``test_scenario[kind]`` (``slow``): each kind alone, on its own workload and job
+  (``topic_recreate`` only here: it stops the job and restarts it from offset 0).
 
 The long run (``>= 1,000`` faults) is ``python -m tests.faults.driver``
 (docs/RELIABILITY.md).
@@ -101,9 +102,12 @@ def _assert_recreated(event: dict[str, Any], outcome: driver.Outcome) -> None:
     assert event["rows_kept"] > 0, f"nothing of the old topic was stored first: {event}"
 
 
-EVERY_KIND_ONCE = [k for k in driver.KINDS if k != "topic_recreate"]
-"""The kinds of ``test_every_kind_once`` (CI): all but ``topic_recreate``, which has
-its own scenario (``test_scenario[topic_recreate]``, ``slow``)."""
+EVERY_KIND_ONCE = [k for k in driver.KINDS if k not in ("alter_during_stall", "topic_recreate")]
+"""The kinds of ``test_every_kind_once`` (CI): all but the two that restart the job
+from a stall or from offset 0: ``alter_during_stall`` has its own CI test
+(:func:`test_an_alter_while_an_attempt_is_stalled_is_fenced`), ``topic_recreate`` its
+scenario (``test_scenario[topic_recreate]``, ``slow``). In the one job of this test,
+an ALTER after ``zookeeper_down`` waited minutes for 18.16's replicas (docs/RELIABILITY.md)."""
 
 
 @pytest.mark.integration
@@ -117,6 +121,22 @@ def test_every_kind_once(stack: StackControl, tmp_path: Path) -> None:
                                  rows_per_message=5, dead_every=53, settle_s=240,
                                  catch_up_s=300)
     _assert_clean(outcome, kinds, job)
+
+
+@pytest.mark.integration
+@needs_job
+def test_an_alter_while_an_attempt_is_stalled_is_fenced(stack: StackControl,
+                                                        tmp_path: Path) -> None:
+    """Issue 25, path 1, as the fault kind ``alter_during_stall``: an attempt stalled
+    after its intent, newer attempts replayed it, its table ALTERed on both replicas,
+    then the attempt resumed: refused before its insert, every row and value exact."""
+    outcome, _, job = driver.run(stack, ["alter_during_stall"], faults=1, messages=2_000,
+                                 seed=11, folder=tmp_path, tables=4, partitions=2,
+                                 rows_per_message=5, dead_every=41, settle_s=240,
+                                 catch_up_s=300)
+    _assert_clean(outcome, ["alter_during_stall"], job)
+    (event,) = outcome.events
+    assert "the block was not inserted" in event["refused"], event
 
 
 @pytest.mark.slow
