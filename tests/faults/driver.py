@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,15 @@ KINDS = (
     "commit_fails",          # 8. a metadata commit fails after some blocks of a batch
     "executor_stall",        # 9. a task stalled (SIGSTOP) across a driver restart, resumed
     "schema_change",         # 10. a column added (ALTER + register), a version or a table
+    "alter_during_stall",    # 11. an ALTER while an attempt is stalled after its intent
+    "table_added",           # 12. a table created and registered while the job runs
+    "topic_recreate",        # 13. the topic deleted and recreated (the operator's procedure)
 )
+
+WEIGHT = {"topic_recreate": 0.25}
+"""How often a kind is drawn after the first of each, relative to 1 for the others:
+recreating the topic stops the job, deletes and recreates the topic and restarts the
+job from offset 0, so a mixed run draws it a quarter as often."""
 
 _HOOK_STEP = {"task_after_commit": "after_commit", "task_after_insert": "after_insert",
               "task_between_blocks": "between_blocks", "commit_fails": "commit_fails"}
@@ -303,6 +312,13 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
         stack.up()
     elif kind == "schema_change":
         info.update(job.workload.schema_change(rng, job.folder / "schemas"))
+    elif kind == "alter_during_stall":
+        info.update(alter_during_stall(job, stack, rng))
+    elif kind == "table_added":
+        time.sleep(rng.uniform(0, 3))
+        info["table"] = job.workload.add_table(job.folder / "schemas")
+    elif kind == "topic_recreate":
+        info.update(recreate_topic(job, rng))
     elif kind == "checkpoint_deleted":
         with job.lock:
             job.stop()
@@ -346,13 +362,21 @@ def _metadata_store(job: Job, stack: StackControl) -> Any:
     return KafkaMetadataStore({"bootstrap.servers": stack.bootstrap, "group.id": group})
 
 
-def stall_across_restart(job: Job, stack: StackControl, rng: random.Random) -> dict[str, Any]:
+def stall_across_restart(job: Job, stack: StackControl, rng: random.Random,
+                         step: str | None = None,
+                         before_resume: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+                         ) -> dict[str, Any]:
     """Fault 9: a task attempt stalls (its Python worker SIGSTOPs itself after an intent,
     after an insert or before a commit, having left the job's session), the driver is
     killed (-9) and restarted, newer attempts commit the partition, then the stalled
     attempt is resumed (SIGCONT). It must be refused (fenced) before it commits or
-    inserts anything; what it was told is recorded in ``refused``."""
-    step = rng.choice(["stall_after_commit", "stall_after_insert", "stall_before_commit"])
+    inserts anything; what it was told is recorded in ``refused``.
+
+    ``step`` fixes the stall point (else a seeded choice); ``before_resume(record)``
+    runs while the attempt is still stopped, after the newer commits (fault 11 ALTERs
+    the table there), and what it returns goes into the event."""
+    if step is None:
+        step = rng.choice(["stall_after_commit", "stall_after_insert", "stall_before_commit"])
     info: dict[str, Any] = {"step": step}
     info.update(armed_fault(job, step, lambda: bool(hooks.stalled(job.hook_dir)),
                             STALL_WINDOW_S))
@@ -381,6 +405,8 @@ def stall_across_restart(job: Job, stack: StackControl, rng: random.Random) -> d
         info["committed_before_resume"] = getattr(store.committed(topic, partition),
                                                   "offset", None)
     try:
+        if before_resume is not None:
+            info.update(before_resume(record))
         os.kill(pid, signal.SIGCONT)
         info["refused"] = ""
         if _wait(lambda: bool(hooks.refusals(job.hook_dir, pid)), 120):
@@ -390,6 +416,93 @@ def stall_across_restart(job: Job, stack: StackControl, rng: random.Random) -> d
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return info
+
+
+def alter_during_stall(job: Job, stack: StackControl, rng: random.Random) -> dict[str, Any]:
+    """Fault 11 (issue 25, path 1): fault 9 with its attempt stalled right after its
+    intent (``stall_after_commit``: before its confirm and insert), and, once newer
+    attempts replayed that intent and committed past it, while the attempt is still
+    stopped, fault 10's ``add_column`` on a table of the intent's blocks (``ALTER TABLE
+    ... ADD COLUMN ... DEFAULT`` on every replica, then the version with the field
+    registered). On 18.16 the stalled block, sent now, would hash as another part; the
+    attempt must be refused before it inserts, and the checker compares every value of
+    the table."""
+    workload = job.workload
+
+    def alter(record: dict[str, Any]) -> dict[str, Any]:
+        table = _intent_table(workload, str(record.get("metadata", "")), rng)
+        return {"altered": workload.add_column(table, job.folder / "schemas")}
+
+    return stall_across_restart(job, stack, rng, step="stall_after_commit", before_resume=alter)
+
+
+def _intent_table(workload: Workload, metadata: str, rng: random.Random) -> str:
+    """A table that a block of the intent ``metadata`` goes to (drawn with ``rng``; any
+    of the run's tables when the intent lists only dead letters)."""
+    from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, decode
+    from blockagg.proto.registry import KafkaStore, Registry
+
+    ids = sorted({b.table_id for b in decode(metadata).blocks} - {DEAD_LETTER_TABLE_ID})
+    if not ids:
+        return rng.choice(workload.table_names())
+    registry = Registry.load(KafkaStore({"bootstrap.servers": workload.bootstrap},
+                                        workload.schema_topic))
+    return registry.by_id(rng.choice(ids)).table
+
+
+def recreate_topic(job: Job, rng: random.Random) -> dict[str, Any]:
+    """Fault 13: the operator deletes and recreates the topic under the job, by the
+    procedure of docs/protocol.md (``TopicIncarnationChanged``): stop the job, delete
+    the topic and create it again (same name and partitions), reset the metadata
+    group's offsets of the topic to the earliest, delete the job's checkpoint, start
+    it. Nothing is produced meanwhile.
+
+    Once the job has stored what was produced before the fault, it is stopped at a
+    random moment (seeded) while the fault's share is produced, so messages of the old topic may
+    still be unread: those go with the topic (the procedure's documented loss), and
+    :meth:`Workload.retire_incarnation` stops expecting them; what the job had stored
+    of the old topic stays expected exactly once, and every message of the new topic
+    is expected exactly once, at the old one's coordinates."""
+    workload = job.workload
+    # The job first stores what was produced before the fault, so that the new topic's
+    # messages meet old rows at their coordinates; this fault's share is being produced
+    # meanwhile, some of it still unread when the job stops.
+    info: dict[str, Any] = {"old_stored_first": checker.caught_up(
+        workload, RECREATE_WARM_S, want=checker.produced_counts(workload)) is not None}
+    time.sleep(rng.uniform(0, 3))
+    with job.lock, workload.producing():
+        started = time.monotonic()
+        job.stop()
+        time.sleep(1)  # an insert the server had fully received completes
+        info.update(workload.retire_incarnation(*_retry_for(workload.stored, 180,
+                                                            "reading what is stored")))
+        workload.save_retired(job.folder / RETIRED)
+        workload.recreate_topic()
+        info["reset_to"] = workload.reset_group_to_earliest()
+        shutil.rmtree(job.checkpoint, ignore_errors=True)
+        job.start()
+        info["procedure_s"] = round(time.monotonic() - started, 1)
+    return info
+
+
+RECREATE_WARM_S = 300.0
+"""How long ``topic_recreate`` waits for the job to store what was produced before it."""
+
+RETIRED = "retired.npz"
+"""In the run's folder: what earlier incarnations of the topic left expected, for
+``--resume`` (:meth:`Workload.save_retired`)."""
+
+
+def _retry_for(action: Callable[[], Any], timeout: float, what: str) -> Any:
+    """``action()`` until it returns (a replica may be restarting), at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return action()
+        except Exception as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: still failing after {timeout:.0f}s: {exc}") from exc
+            time.sleep(2)
 
 
 def _alive(pid: int) -> bool:
@@ -465,19 +578,39 @@ class Outcome:
 # Faults on the same resource never overlap (two ``scripts/stack up`` at once, two armed
 # hooks, a proxy armed while its replica is down, an ALTER while a replica or ZooKeeper
 # is down); faults on different ones may (a schema change's registration retries while
-# the broker restarts).
-_RESOURCE = {"driver_kill9": "driver", "checkpoint_deleted": "driver",
-             **{kind: "hooks" for kind in _HOOK_STEP},
-             "executor_stall": "hooks",
-             "lost_ack": "clickhouse", "replica_kill9": "clickhouse",
-             "zookeeper_down": "clickhouse", "schema_change": "clickhouse",
-             "broker_kill9": "kafka"}
+# the broker restarts). A kind holds every resource it names (taken in sorted order):
+# an ALTER during a stall needs the hooks and the ClickHouse side; recreating the topic
+# stops the world (no stalled attempt, no service down while it reads what is stored).
+_RESOURCE: dict[str, tuple[str, ...]] = {
+    "driver_kill9": ("driver",), "checkpoint_deleted": ("driver",),
+    **{kind: ("hooks",) for kind in _HOOK_STEP},
+    "executor_stall": ("hooks",),
+    "lost_ack": ("clickhouse",), "replica_kill9": ("clickhouse",),
+    "zookeeper_down": ("clickhouse",), "schema_change": ("clickhouse",),
+    "table_added": ("clickhouse",),
+    "alter_during_stall": ("clickhouse", "hooks"),
+    "topic_recreate": ("clickhouse", "driver", "hooks", "kafka"),
+    "broker_kill9": ("kafka",)}
+
+
+def resources(kinds: list[str] | tuple[str, ...] | None = None) -> set[str]:
+    """Every resource that ``kinds`` (default: all) hold."""
+    return {r for k in (KINDS if kinds is None else kinds) for r in _RESOURCE[k]}
+
+
+_SPLIT_SHARE = {"schema_change", "alter_during_stall", "table_added", "topic_recreate"}
 
 
 def plan(kinds: list[str], faults: int, seed: int) -> list[str]:
-    """The run's faults in order: each kind once first, then drawn at random (seeded)."""
+    """The run's faults in order: each kind once first, then drawn at random (seeded),
+    by :data:`WEIGHT` (uniform, and the same draws as before weights existed, when no
+    kind of ``kinds`` has one)."""
     rng = random.Random(seed)
-    return [kinds[n] if n < len(kinds) else rng.choice(kinds) for n in range(faults)]
+    weights = [WEIGHT.get(k, 1.0) for k in kinds]
+    if all(w == 1.0 for w in weights):
+        return [kinds[n] if n < len(kinds) else rng.choice(kinds) for n in range(faults)]
+    return [kinds[n] if n < len(kinds) else rng.choices(kinds, weights)[0]
+            for n in range(faults)]
 
 
 @dataclass
@@ -498,7 +631,7 @@ class _Run:
     produce_lock: threading.Lock = field(default_factory=threading.Lock)
     record_lock: threading.Lock = field(default_factory=threading.Lock)
     resources: dict[str, threading.Lock] = field(
-        default_factory=lambda: {r: threading.Lock() for r in set(_RESOURCE.values())})
+        default_factory=lambda: {r: threading.Lock() for r in resources()})
 
     def produce(self, messages: int) -> None:
         with self.produce_lock:
@@ -512,9 +645,12 @@ class _Run:
         starts_before = job.starts_in_this_thread()
         # A schema change gets half its share while it is made (written with the old
         # schema, much of it still unread when the change lands) and half after it
-        # (written with the new one).
-        during = self.per_fault // 2 if kind == "schema_change" else self.per_fault
-        with self.resources[_RESOURCE[kind]]:
+        # (written with the new one); so do the kinds that change a table, add one or
+        # recreate the topic (half to the old topic, half to the new).
+        during = self.per_fault // 2 if kind in _SPLIT_SHARE else self.per_fault
+        with contextlib.ExitStack() as held:
+            for resource in sorted(_RESOURCE[kind]):
+                held.enter_context(self.resources[resource])
             producer = threading.Thread(target=self.produce, args=(during,), daemon=True)
             producer.start()
             info = {"n": n, **inject(kind, job, self.stack, rng, self.zookeeper_down_s)}
@@ -610,7 +746,8 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
         outcome = resume
         restoring = time.monotonic()
         workload = Workload.resume(outcome.run, stack.bootstrap, "127.0.0.1", stack.ch_ports,
-                                   initial_tables=tables, partitions=partitions,
+                                   initial_tables=tables, retired=folder / RETIRED,
+                                   partitions=partitions,
                                    rows_per_message=rows_per_message, dead_every=dead_every,
                                    seed=seed)
         _set_aside(folder / "hooks", f"before-resume-{len(outcome.resumes) + 1}")

@@ -4,7 +4,9 @@ registrations alone, exactly what the producer recorded while writing them (no s
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -118,3 +120,39 @@ def test_a_resumed_producer_continues_with_fresh_ids_and_the_latest_schema() -> 
     table, ids, _ = next(m for m in iter(resumed.message, None) if m[0] is not None)
     assert ids is not None and int(ids.min()) > int(before.max())
     assert table in resumed.table_names()
+
+
+def test_a_run_resumed_after_a_topic_recreate_expects_what_the_old_topic_left(
+        tmp_path: Path) -> None:
+    """``topic_recreate``: what the job had stored of the old topic stays expected (its
+    rows, its dead letters at coordinates the new topic reuses), the rest is the
+    procedure's loss; a resume reads only the new topic, so the rest comes from
+    ``save_retired``, and the rebuilt run expects exactly what the uninterrupted one does."""
+    written, store, _ = _written(seed=7)
+    stored = {t: written.produced.ids_of(t)[::2] for t in written.table_names()}
+    dead = Counter(sorted(written.produced.dead)[:-1])
+    kept = written.retire_incarnation(stored, dead)
+    assert kept["rows_kept"] and kept["rows_lost"] and kept["dead_kept"] and kept["dead_lost"]
+    assert written.produced.kept_dead == dead and not written.produced.dead
+    written.save_retired(tmp_path / "retired.npz")
+    new: dict[int, list[bytes]] = {0: [], 1: []}
+    for _ in range(2):  # never delivered: the new dead letters fall on old coordinates
+        written.message()
+    for _ in range(200):  # the new topic, offsets from 0 again
+        table, ids, value = written.message()
+        p = written._counter % written.partitions
+        written._delivery(table, ids)(None, _Delivered(written.topic, p, len(new[p]), value))
+        new[p].append(value)
+    assert written.produced.dead & set(dead), "no dead letter at a reused coordinate"
+    registrations = {r.table: r for r in Registry.from_records(store.read()).registrations()}
+
+    resumed = Workload("unused:1", "127.0.0.1", [1], tables=3, partitions=2,
+                       rows_per_message=3, dead_every=7, seed=7, run="resume1")
+    resumed.restore([(resumed.topic, p, 0, list(v)) for p, v in new.items()], registrations,
+                    tmp_path / "retired.npz")
+    assert {t: sorted(v) for t, v in _ids(resumed).items()} == _ids(written)
+    assert resumed.produced.dead == written.produced.dead
+    assert resumed.produced.kept_dead == written.produced.kept_dead
+    for table in written.table_names():
+        assert resumed.added_since(table) == written.added_since(table)
+    assert resumed._next_id == written._next_id and resumed.recreations == 1

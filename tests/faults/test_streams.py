@@ -8,6 +8,8 @@ in one stream stops the others and reaches the caller.
 
 from __future__ import annotations
 
+import contextlib
+import random
 import threading
 import time
 from collections import Counter
@@ -29,13 +31,27 @@ def test_plan_is_each_kind_once_then_seeded_draws() -> None:
 
 def test_every_kind_has_a_resource() -> None:
     assert set(driver._RESOURCE) == set(driver.KINDS)
+    assert all(driver._RESOURCE[k] for k in driver.KINDS)
+
+
+def test_a_weighted_kind_is_drawn_by_its_weight_and_unweighted_plans_are_unchanged() -> None:
+    """``topic_recreate`` (weight 1/4) is drawn about a quarter as often as the others;
+    a plan of kinds without weights draws exactly as before weights existed."""
+    kinds = list(driver.KINDS)
+    drawn = Counter(driver.plan(kinds, 20_000, seed=3)[len(kinds):])
+    per_other = (sum(drawn.values()) - drawn["topic_recreate"]) / (len(kinds) - 1)
+    assert 0.2 < drawn["topic_recreate"] / per_other < 0.3
+    old = ["driver_kill9", "lost_ack", "schema_change"]
+    rng = random.Random(9)
+    assert driver.plan(old, 50, seed=9) == [old[n] if n < 3 else rng.choice(old)
+                                            for n in range(50)]
 
 
 class _Recorder(driver._Run):
     """A run whose faults only sleep, recording which resources were busy at once."""
 
     def __init__(self, fail_at: int | None = None) -> None:
-        self.resources = {r: threading.Lock() for r in set(driver._RESOURCE.values())}
+        self.resources = {r: threading.Lock() for r in driver.resources()}
         self.busy: Counter[str] = Counter()
         self.max_busy: Counter[str] = Counter()
         self.in_flight = 0
@@ -45,16 +61,21 @@ class _Recorder(driver._Run):
         self.guard = threading.Lock()
 
     def fault(self, n: int, kind: str) -> dict[str, Any]:
-        resource = driver._RESOURCE[kind]
-        with self.resources[resource]:
+        held = sorted(driver._RESOURCE[kind])
+        with contextlib.ExitStack() as stack:
+            for resource in held:
+                stack.enter_context(self.resources[resource])
             with self.guard:
-                self.busy[resource] += 1
+                for resource in held:
+                    self.busy[resource] += 1
+                    self.max_busy[resource] = max(self.max_busy[resource],
+                                                  self.busy[resource])
                 self.in_flight += 1
-                self.max_busy[resource] = max(self.max_busy[resource], self.busy[resource])
                 self.max_in_flight = max(self.max_in_flight, self.in_flight)
             time.sleep(0.002)
             with self.guard:
-                self.busy[resource] -= 1
+                for resource in held:
+                    self.busy[resource] -= 1
                 self.in_flight -= 1
                 self.ran.append(n)
         if n == self.fail_at:

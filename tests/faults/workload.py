@@ -37,10 +37,14 @@ message in the topic.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -64,9 +68,12 @@ COLUMNS = (
 )
 """The 10 columns of a benchmark/fault table, matching ``Event`` field for field."""
 
-COORDINATES = "_topic String, _partition UInt32, _offset UInt64"
+COORDINATES = "_topic String, _partition UInt32, _offset UInt64, _incarnation UInt64 DEFAULT 0"
 """Kafka-coordinate columns (filled by the block writer) that make a table auditable by
-``arv audit``; the fault tables have them, the benchmark tables keep the 10 columns."""
+``arv audit``; the fault tables have them, the benchmark tables keep the 10 columns.
+``_incarnation`` tells a recreated topic's rows (the ``topic_recreate`` fault) from the
+old incarnation's at the same coordinates, where the writer fills it; a writer that does
+not know it leaves the server's ``DEFAULT 0``."""
 
 BAD_ENVELOPE = b"\xff\xfe not an envelope"
 
@@ -195,6 +202,11 @@ class Produced:
 
     ids: dict[str, list[np.ndarray[Any, Any]]] = field(default_factory=dict)
     dead: set[tuple[str, int, int]] = field(default_factory=set)
+    kept_dead: Counter[tuple[str, int, int]] = field(default_factory=Counter)
+    """Dead letters of earlier incarnations of the topic (``topic_recreate``) that were
+    stored before it was deleted, per coordinate: a new incarnation's dead letter may
+    have the same ``(topic, partition, offset)``, so each is expected that many times
+    more."""
     messages: int = 0
     rows: int = 0
     bytes: int = 0
@@ -250,9 +262,12 @@ class Workload:
     changed: set[str] = field(default_factory=set)  # tables whose values the checker reads
     schema_changes: int = 0
     reattached: list[tuple[str, int]] = field(default_factory=list)  # (table, replica)
+    recreations: int = 0  # times the topic was deleted and recreated (``topic_recreate``)
 
     def __post_init__(self) -> None:
         self._initial_tables = self.tables
+        # held by :meth:`produce` and across a topic's deletion and recreation
+        self.topic_lock = threading.RLock()
         self.rng = random.Random(self.seed)
         self.events = random_events(512, self.seed)
         self.tails = [msg.SerializeToString() for msg in self.events]
@@ -318,14 +333,16 @@ class Workload:
             assert key is not None and value is not None
             store.write(key, value)
 
-    def create_topic(self, timeout: float = 60.0) -> None:
+    def create_topic(self, timeout: float = 60.0, create: bool = True) -> None:
+        """Create the data topic (``create``) and wait until every partition has a leader."""
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        futures = admin.create_topics([NewTopic(self.topic, num_partitions=self.partitions,
-                                                replication_factor=1)])
-        for fut in futures.values():
-            fut.result(timeout)
+        if create:
+            futures = admin.create_topics([NewTopic(self.topic, num_partitions=self.partitions,
+                                                    replication_factor=1)])
+            for fut in futures.values():
+                fut.result(timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             md = admin.list_topics(self.topic, timeout=10).topics.get(self.topic)
@@ -397,7 +414,19 @@ class Workload:
 
     def produce(self, messages: int, rate: float = 0.0, flush_timeout: float = 300.0) -> None:
         """Produce ``messages`` messages round-robin over the partitions; ``rate``
-        messages/s (0 = as fast as possible). Waits for every delivery report."""
+        messages/s (0 = as fast as possible). Waits for every delivery report. Never
+        while the topic is being recreated (:meth:`producing`)."""
+        with self.topic_lock:
+            self._produce(messages, rate, flush_timeout)
+
+    @contextlib.contextmanager
+    def producing(self) -> Iterator[None]:
+        """Nothing is produced in the ``with`` body (the topic is deleted and recreated
+        there); a produce call in progress finishes first."""
+        with self.topic_lock:
+            yield
+
+    def _produce(self, messages: int, rate: float, flush_timeout: float) -> None:
         producer = self.producer()
         started = time.monotonic()
         for n in range(messages):
@@ -437,47 +466,192 @@ class Workload:
         actions = ["add_column", "new_table", "new_version"]
         action = actions[n - 1] if n <= len(actions) else rng.choice(actions)
         if action == "new_table":
-            table = f"{self.database}.t{self.tables:03d}"
-            _retry(lambda: self._create_table(table), timeout, f"creating {table}")
-            _retry(lambda: self._register(table, V1, folder), timeout, f"registering {table}")
-            self.changed.add(table)
-            self.tables += 1  # the producer draws it from now on
-            return {"action": action, "table": table}
+            return {"action": action, "table": self.add_table(folder, timeout)}
         table = rng.choice(self.table_names())
+        if action == "add_column":
+            return {"action": action, **self.add_column(table, folder, timeout, warm, n=n)}
+        if warm:
+            _retry(lambda: self._has_rows(table), timeout, f"waiting for rows of {table}")
+        old = self.schemas.get(table, V1)
+        new = replace(old, version=old.version + 1, package=f"blockagg.bench.v{n}")
+        _retry(lambda: self._register(table, new, folder), timeout,
+               f"registering version {new.version} of {table}")
+        self.changed.add(table)
+        self.schemas = {**self.schemas, table: new}  # the producer writes it from now on
+        return {"action": action, "table": table, "version": new.version}
+
+    def add_table(self, folder: Path, timeout: float = 180.0) -> str:
+        """A table joins the stream while the job runs (``new_table``, the ``table_added``
+        fault): ``CREATE TABLE`` on every replica (the run's columns and coordinates),
+        ``ba-schema register`` of ``Event`` as its v1, then the producer draws it. Its
+        values are checked like a changed table's."""
+        folder.mkdir(parents=True, exist_ok=True)
+        table = f"{self.database}.t{self.tables:03d}"
+        _retry(lambda: self._create_table(table), timeout, f"creating {table}")
+        _retry(lambda: self._register(table, V1, folder), timeout, f"registering {table}")
+        self.changed.add(table)
+        self.tables += 1  # the producer draws it from now on
+        return table
+
+    def add_column(self, table: str, folder: Path, timeout: float = 180.0,
+                   warm: bool = True, n: int | None = None) -> dict[str, Any]:
+        """``ALTER TABLE table ADD COLUMN x<n> Int64 DEFAULT d`` on every replica, then
+        (once the job's copies of the columns expired) the version with field ``x<n>``
+        registered; the producer writes it from then on. Without ``n`` (the
+        ``alter_during_stall`` fault) it is the run's next schema change."""
+        folder.mkdir(parents=True, exist_ok=True)
+        if n is None:
+            self.schema_changes += 1
+            n = self.schema_changes
         # The job has stored rows of the table, so its long-lived workers know the table
         # (its columns, its version) before it changes.
         if warm:
             _retry(lambda: self._has_rows(table), timeout, f"waiting for rows of {table}")
         old = self.schemas.get(table, V1)
         reattached = len(self.reattached)
-        if action == "add_column":
-            added = AddedField(f"x{n}", 10 + len(old.added) + 1, 1000 + n, 3 + n)
-            new = replace(old, version=old.version + 1, added=(*old.added, added))
-            _retry(lambda: self._add_column(table, added), timeout,
-                   f"adding column {added.column} to {table}")
-            # The job's workers re-read a table's columns every [schemas]
-            # refresh_interval: register once copies from before the ALTER have expired
-            # (docs/schemas.md, "Evolving a table while the job runs").
-            time.sleep(SCHEMAS_REFRESH_S + 0.5)
-        else:
-            new = replace(old, version=old.version + 1, package=f"blockagg.bench.v{n}")
+        added = AddedField(f"x{n}", 10 + len(old.added) + 1, 1000 + n, 3 + n)
+        new = replace(old, version=old.version + 1, added=(*old.added, added))
+        _retry(lambda: self._add_column(table, added), timeout,
+               f"adding column {added.column} to {table}")
+        # The job's workers re-read a table's columns every [schemas]
+        # refresh_interval: register once copies from before the ALTER have expired
+        # (docs/schemas.md, "Evolving a table while the job runs").
+        time.sleep(SCHEMAS_REFRESH_S + 0.5)
         _retry(lambda: self._register(table, new, folder), timeout,
                f"registering version {new.version} of {table}")
         self.changed.add(table)
         self.schemas = {**self.schemas, table: new}  # the producer writes it from now on
-        return {"action": action, "table": table, "version": new.version,
-                **({"column": new.added[-1].column} if action == "add_column" else {}),
+        return {"table": table, "version": new.version, "column": added.column,
                 **({"reattached": [f"r{r + 1}" for _, r in self.reattached[reattached:]]}
                    if len(self.reattached) > reattached else {})}
+
+    # -- the topic deleted and recreated under the job (``topic_recreate``) ---------
+
+    def stored(self, timeout: float = 120.0) -> tuple[dict[str, np.ndarray[Any, Any]],
+                                                      Counter[tuple[str, int, int]]]:
+        """What ClickHouse holds now, after ``SYSTEM SYNC REPLICA`` on every replica:
+        per table the ids stored on any replica, and the dead letters per coordinate
+        (the most any replica holds)."""
+        ids: dict[str, np.ndarray[Any, Any]] = {}
+        dead: Counter[tuple[str, int, int]] = Counter()
+        clients = self.clients()
+        try:
+            for client in clients:
+                for table in [*self.table_names(), self.dead_letter_table]:
+                    client.execute(f"SYSTEM SYNC REPLICA {table}",
+                                   settings={"receive_timeout": int(timeout)})
+            for client in clients:
+                for table in self.table_names():
+                    columns = client.execute(f"SELECT id FROM {table}", columnar=True)
+                    got = np.asarray(columns[0] if columns else [], dtype=np.uint64)
+                    ids[table] = np.union1d(ids.get(table, np.zeros(0, np.uint64)), got)
+                rows = client.execute(
+                    f"SELECT topic, partition, offset, count() FROM {self.dead_letter_table} "
+                    "GROUP BY topic, partition, offset")
+                for t, part, off, n in rows:
+                    key = (str(t), int(part), int(off))
+                    dead[key] = max(dead[key], int(n))
+        finally:
+            for c in clients:
+                c.disconnect()
+        return ids, dead
+
+    def retire_incarnation(self, ids: Mapping[str, np.ndarray[Any, Any]],
+                           dead: Counter[tuple[str, int, int]]) -> dict[str, int]:
+        """The topic is about to be deleted with the job stopped: what the job stored
+        of it (``ids``, ``dead``: :meth:`stored`) stays expected exactly once, and what
+        it had not stored yet went with the topic (the procedure's documented loss,
+        docs/protocol.md): no longer expected, and found later it is foreign. Returns
+        the rows and dead letters kept and lost."""
+        kept_rows = lost_rows = 0
+        for table, parts in list(self.produced.ids.items()):
+            want = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
+            kept = np.intersect1d(want, ids.get(table, np.zeros(0, np.uint64)))
+            kept_rows += int(kept.size)
+            lost_rows += int(want.size - kept.size)
+            self.produced.ids[table] = [kept]
+        stored_now = {c for c in self.produced.dead if dead[c] > self.produced.kept_dead[c]}
+        lost_dead = len(self.produced.dead) - len(stored_now)
+        self.produced.kept_dead.update(stored_now)
+        self.produced.dead = set()
+        self.produced.rows = kept_rows
+        self.recreations += 1
+        return {"rows_kept": kept_rows, "rows_lost": lost_rows,
+                "dead_kept": len(stored_now), "dead_lost": lost_dead}
+
+    def save_retired(self, path: Path) -> None:
+        """Right after :meth:`retire_incarnation`: what a resumed run can't read back from
+        the new topic (:meth:`restore`), the old incarnations' rows and dead letters still
+        expected and each table's first id per schema version (its values)."""
+        tables = [t for t in self.table_names() if self.produced.ids_of(t).size]
+        first = sorted({(t, schema.version, first) for t, seen in self.switches.items()
+                        for first, schema in seen})
+        meta = {"tables": tables, "first": first, "next_id": self._next_id,
+                "recreations": self.recreations,
+                "dead": [[*c, n] for c, n in sorted(self.produced.kept_dead.items())]}
+        tmp = path.with_name(path.name + ".tmp.npz")
+        # arr_0 the meta, arr_<i + 1> the ids of tables[i]
+        np.savez(tmp, np.array(json.dumps(meta)), *[self.produced.ids_of(t) for t in tables])
+        tmp.replace(path)
+
+    def recreate_topic(self, timeout: float = 120.0) -> None:
+        """Delete the data topic, wait until the broker forgot it, create it again
+        (same name and partitions: a new topic id, offsets from 0), and start a new
+        producer (the idempotent producer's sequence numbers were the old topic's)."""
+        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+        if self._producer is not None:
+            self._producer.flush(60)
+            self._producer = None
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin.delete_topics([self.topic])[self.topic].result(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                admin.create_topics([NewTopic(self.topic, num_partitions=self.partitions,
+                                              replication_factor=1)])[self.topic].result(30)
+                break
+            except Exception as exc:  # still being deleted
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"topic {self.topic} not recreated after {timeout}s: "
+                                       f"{exc}") from exc
+                time.sleep(0.5)
+        self.create_topic(timeout, create=False)
+
+    def reset_group_to_earliest(self, timeout: float = 60.0) -> dict[int, int]:
+        """What ``kafka-consumer-groups.sh --group <metadata group> --topic <topic>
+        --reset-offsets --to-earliest --execute`` does: the group's offset of every
+        partition set to the partition's earliest offset, without metadata (a foreign
+        commit); returns them."""
+        from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, TopicPartition
+        from confluent_kafka.admin import AdminClient
+
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group,
+                             "enable.auto.commit": False})
+        try:
+            earliest = {p: int(consumer.get_watermark_offsets(
+                TopicPartition(self.topic, p), timeout=timeout)[0])
+                for p in range(self.partitions)}
+        finally:
+            consumer.close()
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        [future] = admin.alter_consumer_group_offsets([ConsumerGroupTopicPartitions(
+            self.group, [TopicPartition(self.topic, p, o) for p, o in earliest.items()])
+        ]).values()
+        for moved in future.result(timeout).topic_partitions:
+            if moved.error is not None:
+                raise RuntimeError(f"resetting {self.group} on {self.topic}[{moved.partition}] "
+                                   f"to {earliest[moved.partition]}: {moved.error}")
+        return earliest
 
     # -- resuming a run (its harness and stack killed, its data kept) ---------------
 
     @classmethod
     def resume(cls, run: str, bootstrap: str, ch_host: str, ch_ports: Sequence[int],
-               initial_tables: int, **kwargs: Any) -> Workload:
+               initial_tables: int, retired: Path | None = None, **kwargs: Any) -> Workload:
         """The workload of run ``run`` as its topics left it (:meth:`restore`): the
         schema topic's registrations and every message of the data topic, read from
-        offset 0 to the end."""
+        offset 0 to the end, and what ``retired`` kept of earlier incarnations."""
         from confluent_kafka import Consumer, TopicPartition
 
         workload = cls(bootstrap, ch_host, ch_ports, run=run, tables=initial_tables, **kwargs)
@@ -509,16 +683,18 @@ class Workload:
                         values = []
 
             workload.restore((chunk for p in sorted(meta.partitions) for chunk in partition(p)),
-                             {r.table: r for r in registry.registrations()})
+                             {r.table: r for r in registry.registrations()}, retired)
         finally:
             consumer.close()
         return workload
 
     def restore(self, chunks: Iterable[tuple[str, int, int, list[bytes | None]]],
-                registrations: Mapping[str, Registration]) -> None:
+                registrations: Mapping[str, Registration],
+                retired: Path | None = None) -> None:
         """Rebuild what :meth:`produce` and :meth:`schema_change` recorded from what
         they wrote: ``chunks`` are (topic, partition, first offset, consecutive message
-        values), ``registrations`` the schema topic's.
+        values), ``registrations`` the schema topic's; after a ``topic_recreate``,
+        ``retired`` (:meth:`save_retired`) adds what the old incarnations left expected.
 
         Holds because every value is a function of what the producer knew: a row's id
         is its field 1, an envelope pins the version it was written with, a version's
@@ -529,6 +705,16 @@ class Workload:
         ids: dict[str, list[np.ndarray[Any, Any]]] = {}
         first_of: dict[tuple[str, int], int] = {}
         produced = Produced()
+        next_id = 1
+        if retired is not None and retired.exists():
+            with np.load(retired) as saved:
+                meta = json.loads(str(saved["arr_0"]))
+                for i, name in enumerate(meta["tables"]):
+                    ids[name] = [saved[f"arr_{i + 1}"]]
+            produced.kept_dead = Counter({(t, int(p), int(o)): int(n)
+                                          for t, p, o, n in meta["dead"]})
+            first_of = {(name, int(v)): int(first) for name, v, first in meta["first"]}
+            next_id, self.recreations = int(meta["next_id"]), int(meta["recreations"])
         for topic, partition, offset, values in chunks:
             env = parse_envelopes(values)
             produced.messages += len(values)
@@ -549,8 +735,8 @@ class Workload:
         produced.rows = sum(int(a.size) for parts in ids.values() for a in parts)
         self.produced = produced
         self._counter = produced.messages
-        self._next_id = 1 + max((int(a.max()) for parts in ids.values() for a in parts
-                                 if a.size), default=0)
+        self._next_id = max(next_id, 1 + max((int(a.max()) for parts in ids.values()
+                                              for a in parts if a.size), default=0))
         names = [f"{self.database}.t{i:03d}" for i in range(len(registrations) + 1)]
         self.tables = next(i for i, name in enumerate(names) if name not in registrations)
         self.changed = {name for name in self.table_names()[self.initial_tables:]}
