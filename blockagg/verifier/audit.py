@@ -89,6 +89,10 @@ class KafkaSide(Protocol):
         """The partition's messages with offsets in ``[start, end)``, in offset order."""
         ...
 
+    def incarnation(self, topic: str) -> int | None:
+        """The topic's current incarnation, ``None`` when unknown."""
+        ...
+
 
 class ClickHouseSide(Protocol):
     """What the audit reads from ClickHouse."""
@@ -104,9 +108,12 @@ class ClickHouseSide(Protocol):
     def table_exists(self, table: str) -> bool: ...
 
     def counts(self, tables: list[str], dead_letter_table: str | None, topic: str,
-               partition: int, start: int) -> Iterator[tuple[int, str, int]]:
+               partition: int, start: int, incarnation: int | None = None
+               ) -> Iterator[tuple[int, str, int]]:
         """``(offset, table, rows)`` for offsets ``>= start`` of the partition, ordered by
-        offset; the dead-letter table's entries come with its own name."""
+        offset; the dead-letter table's entries come with its own name. With
+        ``incarnation``, a table with the incarnation column counts only rows of that
+        topic incarnation (or of none recorded)."""
         ...
 
 
@@ -379,6 +386,7 @@ def audit_partitions(kafka: KafkaSide, clickhouse: ClickHouseSide, plan: AuditPl
     audited = frozenset(plan.tables)
     for topic in plan.topics:
         partitions = kafka.partitions(topic)
+        incarnation = kafka.incarnation(topic)
         before = kafka.committed(topic, partitions)
         for partition in partitions:
             low, high = kafka.watermarks(topic, partition)
@@ -393,7 +401,7 @@ def audit_partitions(kafka: KafkaSide, clickhouse: ClickHouseSide, plan: AuditPl
             first = before.get(partition)
             resume = max(lower, first.offset) if first is not None else lower
             counts = iter(clickhouse.counts(plan.tables, plan.dead_letter_table, topic,
-                                            partition, lower))
+                                            partition, lower, incarnation))
             # The first block fixes ClickHouse's snapshot; a commit read after it accounts
             # for every block inserted before it (intent before flush).
             head = next(counts, None)

@@ -87,6 +87,18 @@ class KafkaAuditReader:
         except (KafkaException, ValueError) as exc:
             raise AuditError(f"cannot create the Kafka consumer: {_reason(exc)}") from exc
 
+    def incarnation(self, topic: str) -> int | None:
+        """The topic's current incarnation (``aggregator.kafka.incarnation``), or
+        ``None`` when the cluster does not say: then every row at a coordinate counts."""
+        from blockagg.aggregator.kafka.incarnation import IncarnationError, TopicIncarnations
+
+        try:
+            return TopicIncarnations({**self._settings,
+                                      "bootstrap.servers": self.bootstrap_servers},
+                                     self.timeout).of(topic)
+        except IncarnationError:
+            return None
+
     def _topic_metadata(self, topic: str | None) -> Any:
         try:
             return self._data.list_topics(topic, timeout=self.timeout)
@@ -206,6 +218,7 @@ class ClickHouseAuditReader:
         self._client = Client(host=host, port=port, user=user, password=password,
                               connect_timeout=timeout, send_receive_timeout=max(timeout, 300),
                               settings=self.settings, **(tls or {}))
+        self._marked: dict[str, bool] = {}
 
     def _query(self, query: str, params: Mapping[str, Any] | None = None) -> list[Any]:
         try:
@@ -248,27 +261,51 @@ class ClickHouseAuditReader:
         return bool(self._query("SELECT 1 FROM system.tables WHERE database = %(d)s AND "
                                 "name = %(t)s", {"d": database, "t": name}))
 
+    def marked_tables(self, tables: list[str]) -> frozenset[str]:
+        """Those of ``tables`` with the topic-incarnation column (``_incarnation``, or
+        ``incarnation`` in a dead-letter table), read once per table."""
+        unknown = [t for t in tables if t not in self._marked]
+        for table in unknown:
+            database, name = table.split(".", 1)
+            rows = self._query("SELECT name FROM system.columns WHERE database = %(d)s AND "
+                               "table = %(t)s AND name IN ('_incarnation', 'incarnation')",
+                               {"d": database, "t": name})
+            self._marked[table] = bool(rows)
+        return frozenset(t for t in tables if self._marked[t])
+
     @staticmethod
-    def counts_query(tables: list[str], dead_letter_table: str | None) -> str:
+    def counts_query(tables: list[str], dead_letter_table: str | None,
+                     marked: frozenset[str] = frozenset()) -> str:
+        """``marked`` tables count only rows of the topic's incarnation
+        ``%(incarnation)s`` (or 0: written before the table had the column): a recreated
+        topic's earlier rows at the same coordinates are another topic's."""
+        def own(table: str, column: str) -> str:
+            return (f" AND `{column}` IN (%(incarnation)s, 0)" if table in marked else "")
+
         parts = [
             f"SELECT toUInt64(_offset) AS o, '{t}' AS t, count() AS c FROM {_quote(t)} "
-            "WHERE _topic = %(topic)s AND _partition = %(partition)s AND _offset >= %(start)s "
-            "GROUP BY o"
+            "WHERE _topic = %(topic)s AND _partition = %(partition)s AND _offset >= %(start)s"
+            f"{own(t, '_incarnation')} GROUP BY o"
             for t in tables
         ]
         if dead_letter_table is not None:
             parts.append(
                 f"SELECT toUInt64(`offset`) AS o, '{dead_letter_table}' AS t, count() AS c "
                 f"FROM {_quote(dead_letter_table)} WHERE topic = %(topic)s AND "
-                "`partition` = %(partition)s AND `offset` >= %(start)s GROUP BY o")
+                "`partition` = %(partition)s AND `offset` >= %(start)s"
+                f"{own(dead_letter_table, 'incarnation')} GROUP BY o")
         return "SELECT o, t, c FROM (" + " UNION ALL ".join(parts) + ") ORDER BY o, t"
 
     def counts(self, tables: list[str], dead_letter_table: str | None, topic: str,
-               partition: int, start: int) -> Iterator[tuple[int, str, int]]:
+               partition: int, start: int, incarnation: int | None = None
+               ) -> Iterator[tuple[int, str, int]]:
         if not tables and dead_letter_table is None:
             return
-        query = self.counts_query(tables, dead_letter_table)
-        params = {"topic": topic, "partition": partition, "start": start}
+        every = [*tables, *([dead_letter_table] if dead_letter_table else [])]
+        marked = self.marked_tables(every) if incarnation is not None else frozenset()
+        query = self.counts_query(tables, dead_letter_table, marked)
+        params = {"topic": topic, "partition": partition, "start": start,
+                  **({"incarnation": incarnation} if marked else {})}
         try:
             for offset, table, rows in self._client.execute_iter(query, params):
                 yield int(offset), str(table), int(rows)

@@ -265,7 +265,7 @@ def _verify(
         if not reader.partitions:
             click.echo(f"arv: warning: {bootstrap_servers} has no __consumer_offsets topic "
                        "yet: no group has committed an offset there", err=True)
-        verifier = Verifier(reader.high_watermark)
+        verifier = Verifier(reader.high_watermark, reader.incarnation)
         if metrics is not None and metrics_port is not None:
             try:
                 server, _ = start_http_server(metrics_port, metrics_addr,

@@ -178,6 +178,8 @@ class HistoryReader:
         self._positions: dict[int, int] = {}
         self._done: set[int] = set()
         self._watermarks: dict[tuple[str, int], int] = {}
+        self._incarnations: dict[str, int] = {}
+        self._incarnation_settings = dict(settings or {})
         self.records_read = 0
         try:
             self._open(start or {})
@@ -228,6 +230,24 @@ class HistoryReader:
                 f"cannot read the watermarks of {topic}[{partition}]: {_reason(exc)}"
             ) from exc
         return int(low), int(high)
+
+    def incarnation(self, topic: str, seen: int) -> int | None:
+        """The topic's current incarnation (``aggregator.kafka.incarnation``), read once
+        and again when a commit names another (``seen``); ``None`` when the cluster
+        does not say."""
+        from blockagg.aggregator.kafka.incarnation import IncarnationError, TopicIncarnations
+
+        cached = self._incarnations.get(topic)
+        if cached is not None and cached == seen:
+            return cached
+        try:
+            now = TopicIncarnations({**self._incarnation_settings,
+                                     "bootstrap.servers": self.bootstrap_servers},
+                                    self.timeout).of(topic)
+        except IncarnationError:
+            return cached
+        self._incarnations[topic] = now
+        return now
 
     def high_watermark(self, topic: str, partition: int, claimed: int) -> int | None:
         """The data partition's high watermark, refreshed when ``claimed`` exceeds it.

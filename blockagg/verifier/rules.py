@@ -46,7 +46,8 @@ and each commit on its own for:
     exactly from F (``check_after_reset``).
 ``past_end``
     The commit claims offsets beyond the partition's high watermark (the committed
-    offset, or the batch end).
+    offset, or the batch end). A commit pinned to an earlier incarnation of the topic
+    (deleted and recreated since) is not judged against the new topic's watermark.
 
 Tombstones (deleted or expired group offsets) are counted and change no state.
 """
@@ -328,8 +329,13 @@ class Verifier:
     blockagg metadata, or the offset of a foreign commit (a reset) that followed it.
     """
 
-    def __init__(self, high_watermark: HighWatermark | None = None) -> None:
+    def __init__(self, high_watermark: HighWatermark | None = None,
+                 incarnation: Callable[[str, int], int | None] | None = None) -> None:
+        """``incarnation(topic, seen)``: the topic's current incarnation (``None``:
+        unknown), asked again when a commit names ``seen``, another than the last
+        answer (a topic recreated while following)."""
         self._high_watermark = high_watermark
+        self._incarnation = incarnation
         self._last: dict[tuple[str, str, int], _Last] = {}
         self.commits_checked = 0
         self.tombstones = 0
@@ -371,7 +377,8 @@ class Verifier:
                 self._last[key] = _Last(None, commit.offset, commit.commit_timestamp)
             else:
                 self._last[key] = _Last(current, current.resume, commit.commit_timestamp)
-        if self._high_watermark is not None:
+        if self._high_watermark is not None and not self._earlier_incarnation(
+                commit.topic, current):
             claimed = commit.offset if current is None else max(commit.offset, current.end)
             end = self._high_watermark(commit.topic, commit.partition, claimed)
             if end is not None:
@@ -395,6 +402,15 @@ class Verifier:
             )
             for f in findings
         ]
+
+    def _earlier_incarnation(self, topic: str, metadata: Metadata | None) -> bool:
+        """Whether ``metadata`` is pinned to another incarnation of ``topic`` than the
+        one the cluster holds now: its offsets are the deleted topic's."""
+        pinned = metadata.pins.incarnation if metadata is not None else 0
+        if not pinned or self._incarnation is None:
+            return False
+        now = self._incarnation(topic, pinned)
+        return now is not None and now != pinned
 
     def observe_tombstone(self, group: str, topic: str, partition: int) -> None:
         """Count a deleted offset; the partition's state is kept (see module doc)."""

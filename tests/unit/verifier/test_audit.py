@@ -229,6 +229,9 @@ class FakeKafka:
         self.reads.append((start, end))
         return iter([m for m in self._messages if start <= m.offset < end])
 
+    def incarnation(self, topic: str) -> int | None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -253,7 +256,8 @@ class FakeClickHouse:
         return table in self.tables
 
     def counts(self, tables: list[str], dead_letter_table: str | None, topic: str,
-               partition: int, start: int) -> Iterator[tuple[int, str, int]]:
+               partition: int, start: int, incarnation: int | None = None
+               ) -> Iterator[tuple[int, str, int]]:
         wanted = {*tables, dead_letter_table}
         return iter(sorted(c for c in self._counts if c[0] >= start and c[1] in wanted))
 
@@ -462,3 +466,18 @@ def test_classify_agrees_with_the_jobs_parse_envelope(value: bytes | None) -> No
         assert message == Message(7, parsed.table, len(parsed.rows))
     else:
         assert message == Message(7, None, 0)
+
+
+def test_a_recreated_topics_earlier_rows_are_not_counted_where_the_table_marks_them() -> None:
+    """Issue 25 (the fault suite's topic_recreate): after a topic is deleted and
+    recreated, the old topic's rows sit at the new topic's coordinates. A table with the
+    incarnation column counts only rows of the topic's current incarnation (or 0:
+    written before it had the column); one without it counts every row, as before."""
+    from blockagg.verifier.audit_sources import ClickHouseAuditReader
+
+    query = ClickHouseAuditReader.counts_query([A, B], DLT, frozenset({A, DLT}))
+    part_a, part_b, part_dlt = query.split(" UNION ALL ")
+    assert "`_incarnation` IN (%(incarnation)s, 0)" in part_a
+    assert "incarnation" not in part_b
+    assert "`incarnation` IN (%(incarnation)s, 0)" in part_dlt
+    assert "incarnation" not in ClickHouseAuditReader.counts_query([A, B], DLT)

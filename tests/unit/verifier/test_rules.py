@@ -359,3 +359,28 @@ def test_the_cores_history_under_forward_resets_and_a_checkpoint_behind_is_accep
                 if is_blockagg(c.metadata) and decode(c.metadata).resume != c.offset)
     assert found == Counter({AnomalyKind.FOREIGN_WRITER: resets - moved,
                              AnomalyKind.OFFSET_MISMATCH: moved}) - Counter(), found
+
+
+def test_a_commit_of_an_earlier_topic_incarnation_is_not_judged_past_the_new_end() -> None:
+    """After a topic is deleted and recreated, the old topic's last commits claim
+    offsets beyond the new topic's high watermark: they are the old topic's, not past
+    its end (the fault suite's topic_recreate). A commit of the current incarnation
+    still is."""
+    from blockagg.aggregator.core.metadata import Pins
+
+    old = encode(Metadata(1, 0, 0, 750, 750, pins=Pins(incarnation=11)))
+    new = encode(Metadata(2, 0, 0, 900, 900, pins=Pins(incarnation=22)))
+    asked: list[tuple[str, int]] = []
+
+    def incarnation(topic: str, seen: int) -> int:
+        asked.append((topic, seen))
+        return 22
+
+    verifier = Verifier(lambda topic, partition, claimed: 250, incarnation)
+    assert verifier.observe(Commit("g", "t", 0, 750, old, 1)) == []
+    found = verifier.observe(Commit("g2", "t", 0, 900, new, 2))
+    assert [a.kind for a in found] == [AnomalyKind.PAST_END]
+    assert asked == [("t", 11), ("t", 22)]
+    unknown = Verifier(lambda topic, partition, claimed: 250, lambda topic, seen: None)
+    assert [a.kind for a in unknown.observe(Commit("g", "t", 0, 750, old, 1))] == \
+        [AnomalyKind.PAST_END]
