@@ -42,7 +42,12 @@ from blockagg.proto.registry import (
 )
 
 ColumnsFn = Callable[[str], Sequence[Any]]
+DedupFn = Callable[[str], "str | None"]
 CHECK_TIMEOUT = 8.0
+
+
+def _no_dedup_check(table: str) -> str | None:
+    return None
 
 
 @dataclass
@@ -50,6 +55,9 @@ class Context:
     as_json: bool
     store: Callable[[], Store]
     columns: ColumnsFn
+    dedup: DedupFn = _no_dedup_check
+    """Why the live table would not drop a retried block (``writer.check_tables``),
+    or None."""
 
 
 def _fail(ctx: Context, code: int, message: str, **extra: Any) -> NoReturn:
@@ -59,15 +67,15 @@ def _fail(ctx: Context, code: int, message: str, **extra: Any) -> NoReturn:
     sys.exit(code)
 
 
-def _clickhouse_columns(hosts: Sequence[str], user: str, password: str,
-                        tls: dict[str, Any]) -> ColumnsFn:
-    def fetch(table: str) -> Sequence[Any]:
+def _clickhouse(hosts: Sequence[str], user: str, password: str,
+                tls: dict[str, Any]) -> tuple[ColumnsFn, DedupFn]:
+    """The live table's columns, and why it would not drop a retried block, each read
+    from the shard given by ``--clickhouse``."""
+    from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter
+
+    def connect() -> ClickHouseBlockWriter:
         from blockagg.aggregator.clickhouse.startup import Fixes, check_replicas, driver_check
-        from blockagg.aggregator.clickhouse.writer import (
-            ClickHouseBlockWriter,
-            Replica,
-            WriterConfig,
-        )
+        from blockagg.aggregator.clickhouse.writer import Replica, WriterConfig
 
         replicas = []
         for h in hosts:
@@ -80,14 +88,35 @@ def _clickhouse_columns(hosts: Sequence[str], user: str, password: str,
                       TLS_FIX)
         check_replicas((driver_check(r.host, r.port, user, password, CHECK_TIMEOUT, fixes,
                                      tls) for r in replicas), None)
-        writer = ClickHouseBlockWriter(WriterConfig(tuple(replicas), user=user,
-                                                    password=password, max_attempts=2,
-                                                    tls=tls))
+        return ClickHouseBlockWriter(WriterConfig(tuple(replicas), user=user,
+                                                  password=password, max_attempts=2,
+                                                  tls=tls))
+
+    def columns(table: str) -> Sequence[Any]:
+        writer = connect()
         try:
             return writer.describe(table).columns
         finally:
             writer.close()
-    return fetch
+
+    def dedup(table: str) -> str | None:
+        from blockagg.aggregator.clickhouse.exceptions import (
+            CoordinatesMissing,
+            DedupNotConfigured,
+        )
+
+        writer = connect()
+        try:
+            writer.check_tables([table])
+        except CoordinatesMissing:  # the job's own check, with its opt-out
+            return None
+        except DedupNotConfigured as exc:
+            return str(exc)
+        finally:
+            writer.close()
+        return None
+
+    return columns, dedup
 
 
 def _reachable_store(config: dict[str, Any], topic: str) -> Store:
@@ -133,8 +162,8 @@ def cli(ctx: click.Context, bootstrap_servers: str, topic: str, kafka_props: tup
         config[key] = value
     hosts = ch_hosts or (default_endpoint(secure),)
     tls = tls_from_flags(secure, no_verify, ca_certs)
-    ctx.obj = Context(as_json, lambda: _reachable_store(config, topic),
-                      _clickhouse_columns(hosts, user, password, tls))
+    columns, dedup = _clickhouse(hosts, user, password, tls)
+    ctx.obj = Context(as_json, lambda: _reachable_store(config, topic), columns, dedup)
 
 
 def _summary(reg: Registration) -> dict[str, Any]:
@@ -196,10 +225,14 @@ _MODE = click.Choice([m.value for m in Mode], case_sensitive=False)
 @click.option("--force-incompatible", is_flag=True,
               help="Register even if the version breaks the table's compatibility mode; "
                    "the differences are printed and recorded with the version.")
+@click.option("--allow-no-dedup", is_flag=True,
+              help="Register even if the table does not drop a retried block (a warning "
+                   "on stderr); the job still refuses to start while it can't.")
 @click.pass_obj
 def register_cmd(ctx: Context, table: str, proto_file: Path | None, includes: tuple[Path, ...],
                  descriptor_set: Path | None, message_name: str, dry_run: bool,
-                 no_check: bool, mode: str | None, force_incompatible: bool) -> None:
+                 no_check: bool, mode: str | None, force_incompatible: bool,
+                 allow_no_dedup: bool) -> None:
     """Register MESSAGE as the next schema version of TABLE (database.table).
 
     The version must fit the live table's columns and keep the table's
@@ -223,6 +256,8 @@ def register_cmd(ctx: Context, table: str, proto_file: Path | None, includes: tu
     mismatches = [] if columns is None else _mismatches(descriptor, columns)
     if mismatches:
         _report_check(ctx, table, mismatches)
+    if not no_check:
+        _check_dedup(ctx, table, allow_no_dedup)
     compatibility = None if mode is None else Mode(mode.upper())
     try:
         if dry_run:
@@ -258,6 +293,25 @@ def register_cmd(ctx: Context, table: str, proto_file: Path | None, includes: tu
     else:
         click.echo(f"{verb} {table} version {result['latest']} (table id "
                    f"{result['table_id']}): {message_name}")
+
+
+def _check_dedup(ctx: Context, table: str, allow: bool) -> None:
+    """Refuse (exit 1) a table that would not drop a retried block: the job refuses to
+    start on it (invariant 3), so registering it only defers the refusal.
+    ``--allow-no-dedup`` registers it anyway, with the reason on stderr."""
+    try:
+        reason = ctx.dedup(table)
+    except BlockaggError as exc:
+        _fail(ctx, 2, f"can't read the engine and settings of {table} from ClickHouse: {exc}")
+    if reason is None:
+        return
+    if allow:
+        click.echo(f"ba-schema: WARNING: {reason}; registering anyway (--allow-no-dedup): "
+                   "the job refuses to start while it does not deduplicate", err=True)
+        return
+    _fail(ctx, 1, f"{reason}; nothing was registered (or register anyway with "
+                  "--allow-no-dedup: the job refuses to start on it until it deduplicates)",
+          table=table)
 
 
 def _report_incompatible(ctx: Context, exc: IncompatibleSchema) -> NoReturn:

@@ -116,20 +116,25 @@ def run(config: Config, until_caught_up: bool) -> int:
     log = logs.get("job")
     run_id = config.job.run_id if config.job.run_id is not None else secrets.randbits(64)
     try:
+        from blockagg.spark.components import DefaultComponents, load_components, missing_pins
+        from blockagg.spark.metrics import JobMetrics
+        from blockagg.spark.tables import TableGuard
+
+        spec = os.environ.get("BLOCKAGG_COMPONENTS")
+        components = load_components(spec) if spec else None
+        tables = TableGuard(config, components or DefaultComponents())
+        metrics = JobMetrics()
         try:
-            preflight.run(config, clickhouse=not os.environ.get("BLOCKAGG_COMPONENTS"),
-                          run_id=f"{run_id:016x}")
+            preflight.run(config, clickhouse=not spec, run_id=f"{run_id:016x}",
+                          tables=tables, spark=True, metrics=metrics)
         finally:
             if os.environ.get("PYSPARK_GATEWAY_PORT"):  # under spark-submit, the JVM
                 from blockagg.spark.driver import spark_log_level  # runs: keep its exit
 
                 spark_log_level()  # quiet (after the checks: they answer first)
-        from blockagg.spark.components import load_components, missing_pins
         from blockagg.spark.driver import Driver, make_spark
 
         spark = make_spark(config)
-        spec = os.environ.get("BLOCKAGG_COMPONENTS")
-        components = load_components(spec) if spec else None
         if components is not None and (missing := missing_pins(components)):
             logs.event(log, "components without pins", level=30, components=spec,
                        missing=missing, effect="a replay is not held to what its first "
@@ -137,9 +142,9 @@ def run(config: Config, until_caught_up: bool) -> int:
                        "depends on), or a batch's blocks to the tables' deduplication "
                        "windows (dedup_windows): forward these from the components you "
                        "wrap")
-        driver = Driver(config, spark, components, run_id=run_id)
+        driver = Driver(config, spark, components, metrics=metrics, run_id=run_id,
+                        tables=tables)
         driver.install_signal_handlers()
-        driver.metrics.serve(config.metrics.port, config.metrics.host)
         try:
             driver.start()
         except BaseException:
