@@ -6,7 +6,9 @@ nothing written (no commit in the metadata group, no row, no dead letter).
 Refusals that come from the start-up checks happen before Spark starts: the output
 has no ``SparkContext`` line, which is what bounds their time (the checks are single
 requests of at most 6 s for Kafka and 5 s for ClickHouse). The elapsed seconds are
-printed, not asserted.
+printed; those of the refusals that used to come after Spark's start (25-41 s:
+connector jars, metrics port, tables that can't deduplicate, speculation) are
+asserted below ``QUICK`` seconds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ from tests.integration.user_job import Job, Run, assert_no_trace, the_error
 
 pytestmark = pytest.mark.integration
 
+QUICK = 15.0
+"""Seconds within which a refusal of the start-up checks ends, JVM start included
+(Spark's session alone took 25-41 s before it refused these)."""
+
 
 @pytest.fixture
 def job(tmp_path: Path, stack_env: dict[str, str], new_topic: Callable[..., str],
@@ -33,7 +39,8 @@ def job(tmp_path: Path, stack_env: dict[str, str], new_topic: Callable[..., str]
     yield user
 
 
-def refused(run: Run, *names: str, code: int = 1, before_spark: bool = True) -> str:
+def refused(run: Run, *names: str, code: int = 1, before_spark: bool = True,
+            within: float | None = None) -> str:
     line = the_error(run.out)
     print(f"\n{run.seconds:.1f}s exit {run.code}: {line}")
     assert run.code == code, run.out[-4000:]
@@ -41,6 +48,10 @@ def refused(run: Run, *names: str, code: int = 1, before_spark: bool = True) -> 
         assert name in line, f"{name!r} not named in: {line}"
     if before_spark:
         assert "SparkContext: Running Spark" not in run.out, "refused only after Spark started"
+        assert "Traceback" not in run.out and "Exception in thread" not in run.out, \
+            run.out[-4000:]
+    if within is not None:
+        assert run.seconds < within, f"refused after {run.seconds:.1f}s"
     return line
 
 
@@ -92,16 +103,68 @@ def test_dead_letter_table_with_wrong_columns_on_one_replica(job: Job) -> None:
     job.assert_nothing_written()
 
 
-def test_target_table_without_deduplication_is_refused_at_start(job: Job) -> None:
+def test_target_table_without_deduplication_is_refused_at_registration_and_start(
+        job: Job) -> None:
+    """Issue 26: ``ba-schema register`` refuses a plain ``MergeTree`` table (the job
+    would refuse to start on it), registers it with ``--allow-no-dedup`` and a warning,
+    and the job then refuses it before Spark starts, within seconds."""
     for client in job.clients:
         client.execute(f"CREATE TABLE {job.database}.plain (id UInt64) "
                        "ENGINE = MergeTree() ORDER BY id")
-    job.register("plain", "firstday.v1.Plain")
+    res = job.register("plain", "firstday.v1.Plain", code=1)
+    _one_line(res.stderr, f"table {job.database}.plain uses MergeTree",
+              "non_replicated_deduplication_window", "nothing was registered",
+              "--allow-no-dedup")
+    res = job.register("plain", "firstday.v1.Plain", "--allow-no-dedup")
+    assert "WARNING" in res.stderr and "--allow-no-dedup" in res.stderr
     job.produce(5, table="plain", message="Plain")
     run = job.run(job.config())
-    refused(run, f"table {job.database}.plain", "deduplicate", before_spark=False)
+    refused(run, f"table {job.database}.plain", "deduplicate", within=QUICK)
     job.assert_nothing_written()
     assert job.rows("plain") == 0
+
+
+def test_missing_connector_jars_are_refused_before_spark(job: Job) -> None:
+    """Issue 26: without ``--jars`` Spark failed after 41 s with ``Failed to find data
+    source: kafka``; the start-up checks name ``$BLOCKAGG_SPARK_JARS`` in seconds."""
+    run = job.run(job.config(), jars=False)
+    line = refused(run, "spark-sql-kafka-0-10", '--jars "$BLOCKAGG_SPARK_JARS"',
+                   within=QUICK)
+    assert "Failed to find data source" not in run.out, line
+    job.assert_nothing_written()
+
+
+def test_connector_by_spark_jars_conf_is_accepted(job: Job) -> None:
+    """``--conf spark.jars=...`` is as good as ``--jars``: no refusal, the job runs."""
+    run = job.run(job.config(), "--until-caught-up", jars=False,
+                  spark=["--conf", f"spark.jars={job.stack_env['BLOCKAGG_SPARK_JARS']}"])
+    assert run.code == 0, run.out[-4000:]
+    assert job.rows("orders") == 20
+
+
+def test_busy_metrics_port_is_named_before_spark(job: Job) -> None:
+    """Issue 26: a taken metrics port was a bare ``OSError: [Errno 98]`` after 26 s."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = job.run(job.config(), "--metrics-port", str(port))
+    refused(run, f"0.0.0.0:{port} is in use", f"[metrics] port = {port}",
+            "--set metrics.port=", within=QUICK)
+    assert "Errno 98" not in run.out
+    job.assert_nothing_written()
+
+
+def test_speculation_is_refused_before_spark(job: Job) -> None:
+    """Issue 26: ``--conf spark.speculation=true`` was silently forced off; the docs
+    say the job refuses it, and it does, in one line, before Spark (exit 2: a
+    configuration refusal)."""
+    run = job.run(job.config(), spark=["--conf", "spark.speculation=true"])
+    refused(run, "spark.speculation=true", "Remove --conf spark.speculation=true", code=2,
+            within=QUICK)
+    job.assert_nothing_written()
 
 
 def test_a_table_without_coordinate_columns_is_refused_on_18_16_unless_allowed(
@@ -124,7 +187,7 @@ def test_a_table_without_coordinate_columns_is_refused_on_18_16_unless_allowed(
                    "ADD COLUMN _topic String, ADD COLUMN _partition UInt32, "
                    "ADD COLUMN _offset UInt64",
                    f'clickhouse.allow_tables_without_coordinates = ["{bare}"]',
-                   before_spark=False)
+                   within=QUICK)
     assert f"a message routed to {bare} could be lost" in line, line
     job.assert_nothing_written()
     assert job.rows("bare") == 0

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -139,7 +139,8 @@ class Job:
             client.execute(dead_letter_ddl(f"{self.database}.dead_letters"))
         self.register("orders", "firstday.v1.Order")
 
-    def register(self, table: str, message: str) -> None:
+    def register(self, table: str, message: str, *flags: str, code: int = 0) -> Any:
+        """``ba-schema register``; asserts its exit code, returns click's result."""
         from click.testing import CliRunner
 
         from blockagg.proto.cli import cli as ba_schema
@@ -147,8 +148,9 @@ class Job:
         res = CliRunner().invoke(ba_schema, [
             "--bootstrap-servers", self.bootstrap, "--topic", self.schema_topic,
             "--clickhouse", self.replicas[0], "register", f"{self.database}.{table}",
-            "--proto", str(self.proto_file), "--message", message])
-        assert res.exit_code == 0, f"ba-schema register {table}: {res.output}"
+            "--proto", str(self.proto_file), "--message", message, *flags])
+        assert res.exit_code == code, f"ba-schema register {table}: {res.output}"
+        return res
 
     def config(self, name: str = "blockagg.toml", *, bootstrap: str | None = None,
                topic: str | None = None, replicas: list[str] | None = None,
@@ -197,18 +199,24 @@ port = 0
         env.pop("BLOCKAGG_LOG_LEVEL", None)
         return env
 
-    def command(self, config: Path, *flags: str) -> list[str]:
+    def command(self, config: Path, *flags: str, jars: bool = True,
+                spark: Sequence[str] = ()) -> list[str]:
+        """``spark-submit`` as the README gives it; ``jars=False`` leaves ``--jars``
+        out, ``spark`` adds spark-submit options."""
         return ["spark-submit", "--master", "local[2]",
-                "--jars", self.stack_env["BLOCKAGG_SPARK_JARS"],
+                *(["--jars", self.stack_env["BLOCKAGG_SPARK_JARS"]] if jars else []),
+                *spark,
                 "--conf", "spark.ui.enabled=false",
                 "--conf", "spark.driver.host=127.0.0.1",
                 "--conf", "spark.driver.bindAddress=127.0.0.1",
                 "--conf", "spark.sql.shuffle.partitions=2",
                 str(JOB_PY), "--config", str(config), *flags]
 
-    def run(self, config: Path, *flags: str, timeout: float = 300) -> Run:
+    def run(self, config: Path, *flags: str, timeout: float = 300, jars: bool = True,
+            spark: Sequence[str] = ()) -> Run:
         started = time.monotonic()
-        res = subprocess.run(self.command(config, *flags), capture_output=True, text=True,
+        res = subprocess.run(self.command(config, *flags, jars=jars, spark=spark),
+                             capture_output=True, text=True,
                              env=self.env(), cwd=REPO, timeout=timeout, check=False)
         return Run(res.returncode, res.stdout + res.stderr, time.monotonic() - started)
 
