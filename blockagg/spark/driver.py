@@ -2,7 +2,9 @@
 
 One run of the job:
 
-1. **Checks.** Speculation must be off. The metadata group must have no active
+1. **Checks.** The start-up checks (``spark.preflight``) ran before the session:
+   speculation off, the Kafka connector, the metrics port, the services and the
+   tables. Speculation is checked again on the session. The metadata group must have no active
    member; the job joins the lock group ``<group>.lock`` (``spark.lock``) so a second
    job on the same group and topic is refused.
 2. **Start position.** The metadata group's commits are read for every partition of
@@ -57,7 +59,6 @@ from blockagg.aggregator.core.exceptions import MetadataDecodeError
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.core.protocol import undecodable_commit
-from blockagg.aggregator.exceptions import ConfigError
 from blockagg.aggregator.kafka.hanging import read_or_diagnose
 from blockagg.spark.components import Components, DefaultComponents
 from blockagg.spark.exceptions import BatchTimedOut, JobError, StoppedBeforeBatch, refusal_in
@@ -135,12 +136,14 @@ class BatchSummary:
 
 
 def check_speculation(spark: Any) -> None:
-    value = str(spark.sparkContext.getConf().get("spark.speculation", "false")).lower()
-    if value == "true":
-        raise ConfigError(
-            "spark.speculation is true: two attempts of one task would commit and insert "
-            "concurrently. Remove --conf spark.speculation=true (the job needs it off)"
-        )
+    """The session's ``spark.speculation`` again (``preflight.check_speculation``
+    refused it before the session from the configuration it could see): refused,
+    never forced off."""
+    from blockagg.spark.preflight import check_speculation as refuse_speculation
+
+    refuse_speculation(
+        {"spark.speculation": str(spark.sparkContext.getConf().get("spark.speculation",
+                                                                   "false"))})
 
 
 def _progress_dict(progress: Any) -> dict[str, Any] | None:
@@ -825,7 +828,7 @@ def make_spark(config: Config, extra_conf: Mapping[str, str] | None = None,
     from pyspark.sql import SparkSession
 
     b = builder or SparkSession.builder
-    b = b.appName(config.job.name).config("spark.speculation", "false")
+    b = b.appName(config.job.name)
     spark_level = spark_log_level()
     if spark_level is not None:
         b = b.config("spark.log.level", spark_level)

@@ -150,3 +150,24 @@ def test_the_driver_does_not_judge_the_tables_twice_for_the_same_partitions() ->
     assert Counting.calls == 1
     guard.ensure_checked([("orders", 0), ("orders", 1), ("orders", 2)])  # one was added
     assert Counting.calls == 2
+
+
+def test_the_session_never_forces_speculation_off_and_refuses_it_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The builder does not set ``spark.speculation`` (an operator's ``true`` would be
+    silently overridden); a session that has it on is refused."""
+    from unittest.mock import MagicMock
+
+    from blockagg.spark import driver
+    from blockagg.spark.driver import make_spark
+
+    monkeypatch.setattr(driver, "spark_log_level", lambda: None)  # no JVM here
+
+    builder = MagicMock()
+    builder.appName.return_value = builder
+    builder.config.return_value = builder
+    session = builder.getOrCreate.return_value
+    session.sparkContext.getConf.return_value = {"spark.speculation": "true"}
+    with pytest.raises(ConfigError):
+        make_spark(loads(CONFIG.format(port=0)), builder=builder)
+    assert all(c.args[0] != "spark.speculation" for c in builder.config.call_args_list)
