@@ -6,8 +6,8 @@ commit. A partition that receives no message for that long would lose its commit
 a restart without a Spark checkpoint would then start it at ``starting_offsets``
 (earliest: duplicates; latest: loss). So the driver re-commits every partition whose
 last commit is older than ``job.idle_commit_interval`` with its offset and metadata
-unchanged: identical commits, which the verifier accepts (a client retry looks the
-same) and which move nothing.
+unchanged but for the attempt nonce (:func:`with_attempt`): commits the verifier reads
+as identical (a client retry looks the same), which move nothing.
 
 Race-free by construction: the driver re-commits only partitions no task of the
 current batch touches (between batches, with the batch lock held, or at the start of a
@@ -105,7 +105,8 @@ class IdleRefresher:
                       and now - self._last.get(tp, float("-inf")) >= self.interval_s)
 
     def refresh(self, store: MetadataStore, partitions: Iterable[TopicPartition]) -> int:
-        """Re-commit each partition's committed offset and metadata unchanged; returns
+        """Re-commit each partition's committed offset and metadata (under this attempt's
+        nonce); returns
         how many were re-committed (a partition without a commit has nothing to keep).
 
         Each re-commit is a fenced attempt of its own, like a task's: it fences any older
