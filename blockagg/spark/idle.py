@@ -105,9 +105,9 @@ class IdleRefresher:
                       and now - self._last.get(tp, float("-inf")) >= self.interval_s)
 
     def refresh(self, store: MetadataStore, partitions: Iterable[TopicPartition]) -> int:
-        """Re-commit each partition's committed offset and metadata (under this attempt's
-        nonce); returns
-        how many were re-committed (a partition without a commit has nothing to keep).
+        """Re-commit each partition's committed offset and metadata (under this
+        attempt's nonce); returns how many were re-committed (a partition without a
+        commit has nothing to keep).
 
         Each re-commit is a fenced attempt of its own, like a task's: it fences any older
         attempt at the partition before reading the commit it repeats, so a stalled task
