@@ -182,8 +182,12 @@ def test_a_kafka_tool_is_dispatched_with_its_arguments_untouched(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, list[str]]] = []
     monkeypatch.setenv("BLOCKAGG_STACK_DIR", str(tmp_path))
-    monkeypatch.setattr(stack_lib, "cmd_kafka_tool",
-                        lambda cfg, tool, args: seen.append((tool, list(args))) or 0)
+
+    def fake(cfg: StackConfig, tool: str, args: list[str]) -> int:
+        seen.append((tool, list(args)))
+        return 0
+
+    monkeypatch.setattr(stack_lib, "cmd_kafka_tool", fake)
     assert stack_lib.main(["kafka-topics", "--create", "--topic", "t", "--partitions", "4"]) == 0
     assert stack_lib.main(["kafka-transactions", "list"]) == 0
     assert seen == [("kafka-topics", ["--create", "--topic", "t", "--partitions", "4"]),
