@@ -166,6 +166,12 @@ class StackConfig:
         return self.root / "kafka-lib" / self.kafka_version
 
     @property
+    def kafka_tools_lib(self) -> Path:
+        """Kafka's admin tools (``kafka-tools`` and what it needs), kept apart from the
+        broker's jars so that adding them never touches a running broker's classpath."""
+        return self.root / "kafka-tools" / self.kafka_version
+
+    @property
     def spark_jars_dir(self) -> Path:
         return self.root / "spark-jars" / (self.spark_version or "none")
 
@@ -484,6 +490,41 @@ def kafka_deps(version: str) -> list[tuple[str, str, str]]:
         # Kafka 4.x logs through slf4j 1.7 + log4j2
         ("org.apache.logging.log4j", "log4j-slf4j-impl", LOG4J_VERSION),
         ("org.apache.logging.log4j", "log4j-core", LOG4J_VERSION),
+    ]
+
+
+def kafka_tools_deps(version: str) -> list[tuple[str, str, str]]:
+    return [("org.apache.kafka", "kafka-tools", version)]
+
+
+# `scripts/stack <tool>`: Kafka's own admin tools, as `kafka-topics.sh` & co. run them.
+KAFKA_TOOLS: dict[str, str] = {
+    "kafka-topics": "org.apache.kafka.tools.TopicCommand",
+    "kafka-consumer-groups": "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
+    "kafka-transactions": "org.apache.kafka.tools.TransactionsCommand",
+}
+
+
+def kafka_tool_command(cfg: StackConfig, tool: str, args: Sequence[str]) -> list[str]:
+    """The java command line of ``scripts/stack <tool> <args>``: the tool's main class on
+    the tools' classpath, logging (slf4j-simple, when Debian ships it) at WARN on stderr,
+    and ``--bootstrap-server`` set to the stack's broker unless ``args`` name one."""
+    cp = f"{cfg.kafka_tools_lib}/*"
+    if Path(SLF4J_SIMPLE_JAR).exists():
+        cp += f":{SLF4J_SIMPLE_JAR}"
+    bootstrap = [] if any(a == "--bootstrap-server" or a.startswith("--bootstrap-server=")
+                          for a in args) else ["--bootstrap-server", f"{HOST}:{cfg.ports.kafka}"]
+    return [
+        java(),
+        "-Xmx256m",
+        "-Djava.awt.headless=true",
+        "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
+        "-Dorg.slf4j.simpleLogger.logFile=System.err",
+        "-cp",
+        cp,
+        KAFKA_TOOLS[tool],
+        *bootstrap,
+        *args,
     ]
 
 
@@ -981,6 +1022,19 @@ def install_kafka(cfg: StackConfig) -> None:
     tmp.rename(cfg.kafka_lib)
 
 
+def install_kafka_tools(cfg: StackConfig) -> None:
+    """Resolve Kafka's admin tools into ``.stack/kafka-tools/<version>/`` (once; the
+    first ``scripts/stack kafka-topics`` & co. or ``install`` does it)."""
+    out = cfg.kafka_tools_lib
+    if (out / "COMPLETE").exists():
+        return
+    jars = maven_copy_dependencies(cfg, "kafka-tools", kafka_tools_deps(cfg.kafka_version), out)
+    tmp = out.with_name(out.name + ".partial")
+    (tmp / "COMPLETE").write_text("\n".join(jars) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
 def install_spark_jars(cfg: StackConfig) -> None:
     if cfg.spark_version is None:
         log(
@@ -1023,6 +1077,7 @@ def install(cfg: StackConfig) -> None:
     install_system_packages()
     cfg.root.mkdir(parents=True, exist_ok=True)
     install_kafka(cfg)
+    install_kafka_tools(cfg)
     install_spark_jars(cfg)
 
 
@@ -1141,6 +1196,11 @@ def cmd_env(cfg: StackConfig) -> int:
     return 0
 
 
+def cmd_kafka_tool(cfg: StackConfig, tool: str, args: Sequence[str]) -> int:
+    install_kafka_tools(cfg)
+    return subprocess.run(kafka_tool_command(cfg, tool, args), check=False).returncode
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/stack",
@@ -1157,6 +1217,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     down.add_argument("--wipe", action="store_true", help="also delete their data and logs")
     sub.add_parser("status", help="per service: up/down and port; non-zero if anything is down")
     sub.add_parser("env", help="print export lines for eval")
+    for tool, main_class in KAFKA_TOOLS.items():
+        sub.add_parser(  # dispatched below before parsing: its arguments are the tool's
+            tool, help=f"Kafka's {tool}.sh ({main_class}) against the stack's broker "
+            "(--bootstrap-server defaults to it); arguments as for the .sh tool")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in KAFKA_TOOLS:
+        try:
+            return cmd_kafka_tool(StackConfig.from_env(), argv[0], argv[1:])
+        except StackError as e:
+            print(f"scripts/stack {argv[0]}: {e}", file=sys.stderr)
+            return 1
     args = parser.parse_args(argv)
     try:
         cfg = StackConfig.from_env()

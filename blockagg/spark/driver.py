@@ -297,6 +297,7 @@ class Driver:
         due = self.idle.due(self.partitions, busy)
         if not due:
             return
+        unknown = len(self.idle.unknown_age(due))
         try:
             count = self.idle.refresh(self.components.store(self.config), due)
         except Exception as exc:
@@ -304,7 +305,11 @@ class Driver:
                        error=f"{type(exc).__name__}: {str(exc)[:500]}")
             return
         if count:
-            logs.event(log, "idle partitions re-committed", partitions=count)
+            if unknown:  # first refresh of this run: no task committed them since start
+                logs.event(log, "idle partitions re-committed", partitions=count,
+                           unknown_age=unknown)
+            else:
+                logs.event(log, "idle partitions re-committed", partitions=count)
 
     def read_start(self) -> tuple[list[TopicPartition], dict[TopicPartition, Committed],
                                   dict[TopicPartition, tuple[int, int]]]:

@@ -34,6 +34,15 @@ from blockagg.spark.components import open_attempt
 from blockagg.spark.offsets import TopicPartition
 
 RETENTION_KEY: Final = "offsets.retention.minutes"
+START_GRACE_S: Final = 300.0
+"""How long after start a partition whose commit's age is unknown waits for its first
+re-commit (at most ``job.idle_commit_interval``). Kafka's offset API does not return
+commit times, so the driver cannot tell a commit made a minute before a restart from one
+made six days before; re-committing every partition at once on every start would repeat
+commits that the first batches make anyway. Within the grace, the first batch commits
+each partition that has messages (:meth:`IdleRefresher.saw_commit`), and only the
+partitions still not seen committed are re-committed when it ends. The grace only
+delays a refresh by minutes against a retention of days (at least four intervals)."""
 REFRESHES_PER_RETENTION: Final = 4
 """At least this many re-commits fit in the brokers' retention: one missed (a stopped
 job, a slow batch) still leaves three."""
@@ -83,26 +92,38 @@ class IdleRefresher:
     """Which partitions are due a re-commit, and the re-commit itself.
 
     ``last`` is when each partition was last committed as far as the driver knows: by a
-    task (``saw_commit``) or by a re-commit; a partition the driver has not seen
-    committed in this run is due at once, since its commit may already be old."""
+    task (``saw_commit``) or by a re-commit. A partition the driver has not seen
+    committed in this run has a commit of unknown age: it is due once
+    ``min(interval, start_grace_s)`` after start (:data:`START_GRACE_S`), unless a
+    task commits it first."""
 
-    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, interval_s: float, clock: Callable[[], float],
+                 start_grace_s: float = START_GRACE_S) -> None:
         self.interval_s = interval_s
         self._clock = clock
         self._last: dict[TopicPartition, float] = {}
+        self._unknown_due = clock() + min(interval_s, start_grace_s)
         self.recommitted = 0
+
+    def unknown_age(self, partitions: Iterable[TopicPartition]) -> list[TopicPartition]:
+        """The partitions not seen committed in this run (their commit's age unknown)."""
+        return sorted(tp for tp in partitions if tp not in self._last)
 
     def saw_commit(self, tp: TopicPartition) -> None:
         self._last[tp] = self._clock()
 
     def due(self, partitions: Iterable[TopicPartition],
             busy: Mapping[TopicPartition, object] | None = None) -> list[TopicPartition]:
-        """The partitions whose last known commit is older than the interval, except
-        those in ``busy`` (the current batch's tasks commit them)."""
+        """The partitions whose last known commit is older than the interval, and, once
+        the start grace is over, those of unknown age; except those in ``busy`` (the
+        current batch's tasks commit them)."""
         now = self._clock()
-        return sorted(tp for tp in partitions
-                      if (busy is None or tp not in busy)
-                      and now - self._last.get(tp, float("-inf")) >= self.interval_s)
+
+        def is_due(tp: TopicPartition) -> bool:
+            last = self._last.get(tp)
+            return now >= self._unknown_due if last is None else now - last >= self.interval_s
+
+        return sorted(tp for tp in partitions if (busy is None or tp not in busy) and is_due(tp))
 
     def refresh(self, store: MetadataStore, partitions: Iterable[TopicPartition]) -> int:
         """Re-commit each partition's committed offset and metadata (under this

@@ -38,6 +38,9 @@ EXIT_ANOMALIES: Final = 1
 EXIT_CANNOT_RUN: Final = 2
 
 LAG_INTERVAL_SECONDS: Final = 10.0
+DEFAULT_METRICS_PORT: Final = 9465
+"""``--metrics-port`` without a value: one above the job's ``[metrics] port`` (9464), so
+``arv verify --follow --metrics-port`` runs beside the job on one host without a clash."""
 
 
 class Metrics:
@@ -180,8 +183,10 @@ def cli() -> None:
 @click.option("--follow", is_flag=True, help="Keep reading new commits until interrupted.")
 @click.option("--duration", type=click.FloatRange(min=0), metavar="SECONDS",
               help="With --follow: stop after this many seconds.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), metavar="PORT",
-              help="With --follow: serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), metavar="[PORT]",
+              is_flag=False, flag_value=DEFAULT_METRICS_PORT,
+              help=f"With --follow: serve Prometheus metrics on this port (without a value: "
+                   f"{DEFAULT_METRICS_PORT}, beside the job's 9464).")
 @click.option("--metrics-addr", default="0.0.0.0", show_default=True,
               help="With --metrics-port: the address to listen on.")
 @click.option("--from", "start", multiple=True, metavar="PARTITION=OFFSET",

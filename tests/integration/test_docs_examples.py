@@ -5,14 +5,19 @@ From ``docs/producing.md``: the row type (the ``proto`` block), the table (the `
 block, on every replica), the commands (the ``sh`` block: create the topic, generate the
 Python module, ``ba-schema register``, run the producer) and the producer itself (the
 ``python`` block, as ``produce_orders.py``). From ``docs/running.md``: the
-``spark-submit`` command, with ``--until-caught-up``. Then every produced row is in
-ClickHouse exactly once.
+``spark-submit`` command, with ``--until-caught-up``. From ``docs/schemas.md``: the
+dead-letter table's DDL (both statements, on every replica). Then every produced row is
+in ClickHouse exactly once, and the producer filled every partition of the topic.
 
-What is substituted, and only that: the stack's addresses for ``localhost:9092`` and
-``localhost:9000``, a database and a topic unique to the test for ``shop`` and ``orders``,
-the test's Python for ``python``, and the config file. ``kafka-topics.sh`` is not part
-of the local stack (Kafka runs from its jars): its line is run with the same arguments
-through confluent-kafka's AdminClient.
+What is substituted, and only that: the stack's addresses for ``127.0.0.1:19092`` and
+``127.0.0.1:19000`` (the same unless the stack runs on other ports), a database and a
+topic unique to the test for ``shop``, ``orders`` and the dead letters' ``blockagg``,
+the repository's ``scripts/stack`` for ``scripts/stack`` (the test runs in its own
+folder), the test's Python for ``python``, and the config file.
+
+Not covered: README.md's and running.md's other blocks (the TOML, the stop commands,
+the runbooks' kafka-transactions lines), and producing.md's ``clickhouse-client``
+invocations (the test sends the SQL through clickhouse-driver).
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ from typing import Any
 
 import pytest
 
-from tests.integration.user_job import REPO, fenced_blocks, shell_commands, words
+from tests.integration.user_job import REPO, fenced_blocks, shell_commands
 
 pytestmark = pytest.mark.integration
 
 PRODUCING_MD = REPO / "docs" / "producing.md"
 RUNNING_MD = REPO / "docs" / "running.md"
+SCHEMAS_MD = REPO / "docs" / "schemas.md"
 
 
 @pytest.fixture
@@ -44,30 +50,44 @@ def shop(ch_replicas: list[Any]) -> Iterator[str]:
         client.execute(f"DROP DATABASE IF EXISTS {database}")
 
 
-def create_topic(command: str, bootstrap: str) -> None:
-    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+@pytest.fixture
+def dead_letter_db(ch_replicas: list[Any]) -> Iterator[str]:
+    """A fresh database for schemas.md's ``blockagg``: its DDL must create it."""
+    database = f"dl_{uuid.uuid4().hex[:10]}"
+    yield database
+    for client in ch_replicas:
+        client.execute(f"DROP DATABASE IF EXISTS {database}")
 
-    args = words(command)
-    topic = args[args.index("--topic") + 1]
-    partitions = int(args[args.index("--partitions") + 1])
-    admin = AdminClient({"bootstrap.servers": bootstrap})
-    admin.create_topics([NewTopic(topic, partitions, 1)])[topic].result(30)
+
+def partitions_with_messages(bootstrap: str, topic: str) -> tuple[int, int]:
+    """(partitions of ``topic``, how many hold at least one message)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"docs-{topic}"})
+    try:
+        count = len(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+        highs = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                 for p in range(count)]
+    finally:
+        consumer.close()
+    return count, sum(1 for high in highs if high > 0)
 
 
 def test_producing_md_producer_and_running_md_spark_submit(
-        tmp_path: Path, stack_env: dict[str, str], ch_replicas: list[Any], shop: str) -> None:
+        tmp_path: Path, stack_env: dict[str, str], ch_replicas: list[Any], shop: str,
+        dead_letter_db: str) -> None:
     bootstrap = stack_env["BLOCKAGG_BOOTSTRAP_SERVERS"]
     host = stack_env["BLOCKAGG_CH_HOST"]
     ports = stack_env["BLOCKAGG_CH_PORTS"].split(",")
     topic = f"orders_{uuid.uuid4().hex[:10]}"
 
     def ours(text: str) -> str:
-        text = text.replace("localhost:9092", bootstrap)
-        text = text.replace("localhost:9000", f"{host}:{ports[0]}")
+        text = text.replace("127.0.0.1:19092", bootstrap)
+        text = text.replace("127.0.0.1:19000", f"{host}:{ports[0]}")
+        text = re.sub(r"^scripts/stack\b", str(REPO / "scripts" / "stack"), text, flags=re.M)
         text = re.sub(r"\bshop\.orders\b", f"{shop}.orders", text)
         text = re.sub(r"\bDATABASE IF NOT EXISTS shop\b", f"DATABASE IF NOT EXISTS {shop}", text)
-        return re.sub(r"(--topic|localhost:9092|" + re.escape(bootstrap) + r") orders\b",
-                      rf"\1 {topic}", text)
+        return re.sub(r"(--topic|" + re.escape(bootstrap) + r") orders\b", rf"\1 {topic}", text)
 
     row_proto = [b for b in fenced_blocks(PRODUCING_MD, "proto") if "package shop.v1" in b]
     [sql] = fenced_blocks(PRODUCING_MD, "sql")
@@ -77,25 +97,24 @@ def test_producing_md_producer_and_running_md_spark_submit(
     (tmp_path / "shop" / "v1" / "order.proto").write_text(row_proto[0])
     (tmp_path / "produce_orders.py").write_text(ours(producer))
 
-    from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
-
+    [dead_letters_sql] = [b for b in fenced_blocks(SCHEMAS_MD, "sql")
+                          if "CREATE TABLE blockagg.dead_letters" in b]
+    dead_letters_sql = re.sub(r"\bblockagg\b", dead_letter_db, dead_letters_sql)
     for client in ch_replicas:  # the docs: on every replica
-        for statement in ours(sql).split(";"):
+        for statement in [*ours(sql).split(";"), *dead_letters_sql.split(";")]:
             if statement.strip():
                 client.execute(statement)
-        client.execute(dead_letter_ddl(f"{shop}.dead_letters"))
 
     env = {**os.environ, **stack_env,
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
            "PYTHONPATH": f"{tmp_path}:{REPO}", "BLOCKAGG_LOG_FORMAT": "text"}
     for command in shell_commands(ours(commands)):
-        if command.startswith("kafka-topics.sh"):
-            create_topic(command, bootstrap)
-            continue
         command = re.sub(r"^python\b", sys.executable, command)
         res = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env,
                              capture_output=True, text=True, check=False, timeout=300)
         assert res.returncode == 0, f"{command}: exit {res.returncode}\n{res.stderr[-4000:]}"
+
+    assert partitions_with_messages(bootstrap, topic) == (4, 4)  # an entity key, not one
 
     config = tmp_path / "blockagg.toml"
     config.write_text(f"""
@@ -115,7 +134,7 @@ database = "{shop}"
 "bootstrap.servers" = "{bootstrap}"
 
 [dead_letters]
-table = "{shop}.dead_letters"
+table = "{dead_letter_db}.dead_letters"
 
 [metrics]
 port = 0
@@ -140,4 +159,4 @@ port = 0
         count, unique, low, high = client.execute(
             f"SELECT count(), uniqExact(id), min(id), max(id) FROM {shop}.orders")[0]
         assert (count, unique, low, high) == (expected, expected, 0, expected - 1)
-        assert client.execute(f"SELECT count() FROM {shop}.dead_letters")[0][0] == 0
+        assert client.execute(f"SELECT count() FROM {dead_letter_db}.dead_letters")[0][0] == 0

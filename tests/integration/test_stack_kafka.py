@@ -4,6 +4,8 @@ hard rejection of metadata over ``offset.metadata.max.bytes`` (4096, the broker 
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -18,7 +20,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from tests.integration.conftest import ProducedTopic
+from tests.integration.conftest import STACK, ProducedTopic
 
 pytestmark = pytest.mark.integration
 
@@ -133,3 +135,41 @@ def test_broker_rejects_metadata_over_4096_with_offset_metadata_too_large(
     assert errors, "an oversized metadata commit succeeded silently"
     assert all(e.code() == KafkaError.OFFSET_METADATA_TOO_LARGE for e in errors), errors
     assert committed.offset < 0, "nothing must be committed"
+
+
+def test_scripts_stack_runs_kafkas_admin_tools_against_the_stack(
+    stack_env: dict[str, str],
+) -> None:
+    """Issue 26: the runbooks' kafka-topics.sh, kafka-consumer-groups.sh and
+    kafka-transactions.sh on the local stack, which runs Kafka from its jars: each tool
+    once, through ``scripts/stack``, as the docs write it (stack.md)."""
+    bootstrap = stack_env["BLOCKAGG_BOOTSTRAP_SERVERS"]
+    env = {**os.environ, **stack_env}
+
+    def tool(*args: str) -> str:
+        res = subprocess.run([str(STACK), *args], env=env, capture_output=True, text=True,
+                             check=False, timeout=300)
+        assert res.returncode == 0, f"{args}: exit {res.returncode}\n{res.stderr[-3000:]}"
+        return res.stdout
+
+    created = f"tools_{uuid.uuid4().hex[:12]}"
+    tool("kafka-topics", "--bootstrap-server", bootstrap, "--create", "--topic", created,
+         "--partitions", "4")
+    assert created in tool("kafka-topics", "--list").split()  # default bootstrap
+    described = tool("kafka-topics", "--bootstrap-server", bootstrap, "--describe",
+                     "--topic", created)
+    assert described.count("Partition: ") == 4, described
+
+    group = f"tools-{uuid.uuid4().hex[:8]}"
+    c = _consumer(bootstrap, group)
+    try:
+        c.commit(offsets=[TopicPartition(created, 2, 0)], asynchronous=False)
+    finally:
+        c.close()
+    groups = tool("kafka-consumer-groups", "--bootstrap-server", bootstrap, "--describe",
+                  "--group", group)
+    assert any(line.split()[:3] == [group, created, "2"] for line in groups.splitlines()), groups
+
+    transactions = tool("kafka-transactions", "--bootstrap-server", bootstrap, "list")
+    assert transactions.split()[:4] == ["TransactionalId", "Coordinator", "ProducerId",
+                                        "TransactionState"], transactions[:500]

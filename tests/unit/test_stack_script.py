@@ -152,6 +152,49 @@ def test_pom_lists_the_dependencies() -> None:
 
 
 @pytest.mark.parametrize(
+    ("tool", "main_class"),
+    [
+        ("kafka-topics", "org.apache.kafka.tools.TopicCommand"),
+        ("kafka-consumer-groups", "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand"),
+        ("kafka-transactions", "org.apache.kafka.tools.TransactionsCommand"),
+    ],
+)
+def test_kafka_tools_run_their_main_class_on_the_tools_jars_against_the_stack(
+        tmp_path: Path, tool: str, main_class: str) -> None:
+    """Issue 26: the runbooks' kafka-topics.sh & co. for the local stack, which ships
+    no .sh scripts: Kafka 4.x's main classes on .stack/kafka-tools/<v>/ (kept apart
+    from the broker's classpath), the stack's broker unless the caller names one."""
+    cfg = cfg_for(tmp_path, BLOCKAGG_KAFKA_PORT="29092")
+    cmd = stack_lib.kafka_tool_command(cfg, tool, ["--list"])
+    at = cmd.index(main_class)
+    assert cmd[at + 1:] == ["--bootstrap-server", "127.0.0.1:29092", "--list"]
+    assert cmd[cmd.index("-cp") + 1].startswith(f"{tmp_path}/kafka-tools/4.3.1/*")
+    own = ["--bootstrap-server", "broker:9092", "--describe"]
+    assert stack_lib.kafka_tool_command(cfg, tool, own)[at + 1:] == own
+    glued = ["--bootstrap-server=broker:9092", "list"]
+    assert stack_lib.kafka_tool_command(cfg, tool, glued)[at + 1:] == glued
+    pom = ET.fromstring(stack_lib.render_pom("t", stack_lib.kafka_tools_deps("4.3.1")))
+    assert "<artifactId>kafka-tools</artifactId>" in ET.tostring(pom, encoding="unicode").replace(
+        "ns0:", "")
+
+
+def test_a_kafka_tool_is_dispatched_with_its_arguments_untouched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[tuple[str, list[str]]] = []
+    monkeypatch.setenv("BLOCKAGG_STACK_DIR", str(tmp_path))
+
+    def fake(cfg: StackConfig, tool: str, args: list[str]) -> int:
+        seen.append((tool, list(args)))
+        return 0
+
+    monkeypatch.setattr(stack_lib, "cmd_kafka_tool", fake)
+    assert stack_lib.main(["kafka-topics", "--create", "--topic", "t", "--partitions", "4"]) == 0
+    assert stack_lib.main(["kafka-transactions", "list"]) == 0
+    assert seen == [("kafka-topics", ["--create", "--topic", "t", "--partitions", "4"]),
+                    ("kafka-transactions", ["list"])]
+
+
+@pytest.mark.parametrize(
     ("jar", "artifact"),
     [
         ("kafka-clients-3.9.0.jar", "kafka-clients"),

@@ -45,8 +45,9 @@ def list_topics(config: Mapping[str, Any], timeout: float = DEFAULT_TIMEOUT,
 def missing_topic_message(servers: str, name: str) -> str:
     return (
         f"topic {name!r} does not exist on {servers}: create it (kafka-topics.sh "
-        f"--bootstrap-server {servers} --create --topic {name} --partitions N) or fix the "
-        "topic's name"
+        f"--bootstrap-server {servers} --create --topic {name} --partitions N; on "
+        "blockagg's local stack `scripts/stack kafka-topics` takes the same arguments) or "
+        "fix the topic's name"
     )
 
 

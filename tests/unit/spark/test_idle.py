@@ -37,7 +37,9 @@ def test_quiet_partitions_are_recommitted_unchanged_once_per_interval() -> None:
     idle = IdleRefresher(60.0, lambda: now[0])
     store = Store()
     partitions = [("t", 0), ("t", 1), ("t", 2)]
-    assert idle.due(partitions) == partitions  # not seen committed in this run: due
+    assert idle.due(partitions) == []  # of unknown age: due after the start grace
+    now[0] += 60  # min(interval, START_GRACE_S)
+    assert idle.due(partitions) == partitions
     assert idle.refresh(store, idle.due(partitions)) == 2  # t[2] has no commit
     assert store.history == [("t", 0, 5, "ba1:x"), ("t", 1, 9, "")]
     now[0] += 59
@@ -46,6 +48,32 @@ def test_quiet_partitions_are_recommitted_unchanged_once_per_interval() -> None:
     now[0] += 1
     assert idle.due(partitions) == [("t", 1), ("t", 2)]
     assert idle.due(partitions, busy={("t", 1): object()}) == [("t", 2)]
+
+
+def test_a_start_does_not_recommit_what_the_first_batch_commits() -> None:
+    """Issue 26: every start logged ``idle partitions re-committed partitions=4`` for
+    commits a minute old, under the 1 h interval. Kafka does not say how old a commit
+    is, so a partition not seen committed in this run waits START_GRACE_S for its first
+    re-commit; the first batch commits those with messages, and only the quiet ones
+    are re-committed, once, when the grace ends; then every interval."""
+    from blockagg.spark.idle import START_GRACE_S
+
+    now = [1000.0]
+    idle = IdleRefresher(3600.0, lambda: now[0])
+    partitions = [("t", 0), ("t", 1), ("t", 2), ("t", 3)]
+    assert idle.due(partitions) == []
+    now[0] += 20
+    for tp in partitions[:3]:  # the first batch: three partitions have messages
+        idle.saw_commit(tp)
+    assert idle.unknown_age(partitions) == [("t", 3)]
+    now[0] = 1000.0 + START_GRACE_S - 1
+    assert idle.due(partitions) == []
+    now[0] += 1
+    assert idle.due(partitions) == [("t", 3)]
+    assert idle.refresh(Store(), [("t", 3)]) == 0  # no commit: nothing to keep
+    assert idle.due(partitions) == [] and idle.unknown_age(partitions) == []
+    now[0] = 1020.0 + 3600
+    assert idle.due(partitions) == partitions[:3]
 
 
 def test_a_recommit_of_an_intent_carries_its_own_attempt_so_a_stalled_task_is_refused() -> None:

@@ -42,6 +42,27 @@ def test_usage_errors_exit_2(args: list[str], message: str) -> None:
     assert stdout == ""
 
 
+def test_metrics_port_without_a_value_is_not_the_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: ``arv verify --follow --metrics-port`` beside the job on one host must
+    not take the job's default metrics port (``[metrics] port`` = 9464)."""
+    from blockagg.aggregator.config import MetricsConfig
+    from blockagg.verifier import cli as cli_module
+
+    ports: list[object] = []
+
+    def fake(*args: object) -> int:
+        ports.append(args[6])
+        return 0
+
+    monkeypatch.setattr(cli_module, "_verify", fake)
+    assert invoke(*BASE, "--group", "g", "--follow", "--metrics-port")[0] == 0
+    assert invoke(*BASE, "--group", "g", "--metrics-port", "--follow")[0] == 0
+    assert invoke(*BASE, "--group", "g", "--follow", "--metrics-port", "9100")[0] == 0
+    assert invoke(*BASE, "--group", "g", "--follow")[0] == 0
+    assert ports == [9465, 9465, 9100, None]
+    assert MetricsConfig().port != cli_module.DEFAULT_METRICS_PORT
+
+
 def test_unknown_kafka_setting_exits_2_naming_it() -> None:
     code, _, stderr = invoke(*BASE, "--group", "g", "-X", "no.such.setting=1")
     assert code == 2
