@@ -130,7 +130,11 @@ class StackControl:
             raise RuntimeError(f"{service} is not running; nothing to kill")
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + timeout
-        while stack_lib.pid_alive(pid, svc.marker):
+        # A dying process loses its command line (the marker) before its sockets: wait
+        # for its ports too, or an immediate ``up`` finds them "in use by another
+        # process" (CI met it once after a kill -9 of the broker).
+        while stack_lib.pid_alive(pid, svc.marker) or any(
+                stack_lib.port_in_use(port) for port in svc.ports.values()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{service} (pid {pid}) survived SIGKILL for {timeout}s")
             time.sleep(0.05)
