@@ -118,6 +118,66 @@ class StackControl:
                                f"{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
         return time.monotonic() - started
 
+    def wait_replicas_writable(self, timeout: float = 180.0) -> float:
+        """Wait until every replicated table on both replicas is writable (not read-only,
+        its ZooKeeper session live); returns the seconds it took.
+
+        After ZooKeeper itself was killed, its restart brings back the dead servers'
+        sessions, and their ``is_active`` nodes with them, until each session times out:
+        meanwhile a restarted replica can't activate, and the other one counts it as
+        alive for a quorum. An operator who restarted everything waits for this."""
+        from clickhouse_driver import Client
+
+        started = time.monotonic()
+        deadline = started + timeout
+        pending: list[str] = []
+        while True:
+            pending = []
+            for port in self.ch_ports:
+                try:
+                    client = Client(stack_lib.HOST, port=port, connect_timeout=3,
+                                    send_receive_timeout=10)
+                    rows = client.execute(
+                        "SELECT database, table FROM system.replicas "
+                        "WHERE is_readonly OR is_session_expired")
+                    client.disconnect()
+                    pending += [f"{d}.{t}@{port}" for d, t in rows]
+                except Exception as exc:
+                    pending.append(f"{port}: {exc.__class__.__name__}")
+            if not pending:
+                return time.monotonic() - started
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replicas not writable after {timeout:.0f} s: "
+                                   f"{', '.join(pending[:10])}")
+            time.sleep(0.5)
+
+    def replication_report(self) -> str:
+        """Each replica's unhealthy replicated tables and stuck queue entries, for a
+        failed test's message (what ``system.replicas`` and ``replication_queue`` say)."""
+        from clickhouse_driver import Client
+
+        lines: list[str] = []
+        for port in self.ch_ports:
+            try:
+                client = Client(stack_lib.HOST, port=port, connect_timeout=3,
+                                send_receive_timeout=10)
+                for row in client.execute(
+                        "SELECT database, table, is_readonly, is_session_expired, "
+                        "queue_size, inserts_in_queue, absolute_delay, active_replicas, "
+                        "total_replicas FROM system.replicas WHERE is_readonly "
+                        "OR is_session_expired OR queue_size > 0 "
+                        "OR active_replicas < total_replicas"):
+                    lines.append(f"replica {port}: {row}")
+                for row in client.execute(
+                        "SELECT database, table, type, new_part_name, num_tries, "
+                        "last_exception FROM system.replication_queue "
+                        "WHERE num_tries > 1 LIMIT 10"):
+                    lines.append(f"queue {port}: {row}")
+                client.disconnect()
+            except Exception as exc:
+                lines.append(f"replica {port}: {exc!r}")
+        return "\n".join(lines) or "replication: every replica healthy"
+
     def down(self, timeout: float = 120.0) -> None:
         subprocess.run([sys.executable, str(STACK), "down"], env=self.env,
                        capture_output=True, text=True, timeout=timeout, check=False)

@@ -46,10 +46,13 @@ _MISSING = _job_can_write_clickhouse()
 needs_job = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
 
-def _assert_clean(outcome: driver.Outcome, kinds: list[str], job: driver.Job) -> None:
+def _assert_clean(outcome: driver.Outcome, kinds: list[str], job: driver.Job,
+                  stack: StackControl | None = None) -> None:
     report = outcome.report
     assert report is not None
-    assert report.ok, "\n".join([*report.problems(), "--- job log ---", job.tail(80)])
+    assert report.ok, "\n".join([*report.problems(),
+                                 "--- replication ---", stack.replication_report() if stack else "",
+                                 "--- job log ---", job.tail(80)])
     assert report.rows_expected > 0 and report.rows_stored == report.rows_expected
     for kind in kinds:
         assert outcome.faults.get(kind, 0) >= 1, f"{kind} was never injected"
@@ -120,7 +123,7 @@ def test_every_kind_once(stack: StackControl, tmp_path: Path) -> None:
                                  folder=tmp_path, tables=6, partitions=3,
                                  rows_per_message=5, dead_every=53, settle_s=240,
                                  catch_up_s=300)
-    _assert_clean(outcome, kinds, job)
+    _assert_clean(outcome, kinds, job, stack)
 
 
 @pytest.mark.integration
@@ -134,7 +137,7 @@ def test_an_alter_while_an_attempt_is_stalled_is_fenced(stack: StackControl,
                                  seed=11, folder=tmp_path, tables=4, partitions=2,
                                  rows_per_message=5, dead_every=41, settle_s=240,
                                  catch_up_s=300)
-    _assert_clean(outcome, ["alter_during_stall"], job)
+    _assert_clean(outcome, ["alter_during_stall"], job, stack)
     (event,) = outcome.events
     assert "the block was not inserted" in event["refused"], event
 
@@ -147,7 +150,7 @@ def test_scenario(kind: str, stack: StackControl, tmp_path: Path) -> None:
                                  folder=tmp_path, tables=4, partitions=2,
                                  rows_per_message=5, dead_every=41, settle_s=240,
                                  catch_up_s=300)
-    _assert_clean(outcome, [kind], job)
+    _assert_clean(outcome, [kind], job, stack)
 
 
 @pytest.fixture
@@ -172,7 +175,7 @@ def _stall_run(stack: StackControl, folder: Path, master: str, seed: int,
                                  folder=folder, tables=4, partitions=2, rows_per_message=5,
                                  dead_every=41, settle_s=240, catch_up_s=300, master=master,
                                  py_files=py_files)
-    _assert_clean(outcome, ["executor_stall"], job)
+    _assert_clean(outcome, ["executor_stall"], job, stack)
     return outcome, job
 
 
@@ -223,7 +226,7 @@ def test_a_run_resumed_after_everything_was_killed(stack: StackControl, tmp_path
     assert resume.run == workload.run and len(resume.events) == 2
     outcome, resumed, job = driver.run(stack, kinds, faults=4, messages=2_400, seed=13,
                                        resume=resume, **common)
-    _assert_clean(outcome, kinds, job)
+    _assert_clean(outcome, kinds, job, stack)
     assert sorted(e["n"] for e in outcome.events) == [0, 1, 2, 3]
     assert outcome.resumes[0]["after_faults"] == 2
     assert outcome.resumes[0]["messages_in_topic"] == workload.produced.messages
