@@ -142,6 +142,18 @@ def setup_worker() -> None:
         setup()
 
 
+def worker_env() -> dict[str, str]:
+    """``BLOCKAGG_LOG_LEVEL`` and ``BLOCKAGG_LOG_FORMAT`` as this process logs now, for
+    the Spark Python workers (``spark.executorEnv.*``): a ``--log-format`` or
+    ``--log-level`` given to the job applies to its tasks' lines too, on every
+    executor, so the driver's and the executors' lines share one format."""
+    root = logging.getLogger()
+    ours = [h for h in root.handlers if getattr(h, "_blockagg", False)]
+    text = bool(ours) and isinstance(ours[0].formatter, TextFormatter)
+    return {"BLOCKAGG_LOG_LEVEL": logging.getLevelName(root.getEffectiveLevel()),
+            "BLOCKAGG_LOG_FORMAT": "text" if text else "json"}
+
+
 class SlowWait:
     """WARN lines for a wait made of retries: none before ``after`` seconds (a blip is
     not news), then at most one per ``every`` seconds, each saying what is awaited, for

@@ -115,6 +115,9 @@ class BatchSummary:
     insert_seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
+    retried: dict[str, int] = field(default_factory=dict)
+    """``topic[partition] -> attempt`` of each task that succeeded after failed attempts
+    (each failed attempt logged its own ``task attempt failed`` line where it ran)."""
 
     def add(self, rep: Mapping[str, Any]) -> None:
         self.partitions += 1
@@ -133,6 +136,8 @@ class BatchSummary:
         self.insert_seconds += sum(s for _, s in rep.get("insert_seconds", ()))
         if rep.get("warning"):
             self.warnings.append(f"{rep['topic']}[{rep['partition']}]: {rep['warning']}")
+        if int(rep.get("attempt", 1)) > 1:
+            self.retried[f"{rep['topic']}[{rep['partition']}]"] = int(rep["attempt"])
 
 
 def check_speculation(spark: Any) -> None:
@@ -549,6 +554,7 @@ class Driver:
             self.request_stop("dead-letter rate exceeded")
 
     def _log_batch(self, summary: BatchSummary, kind: str) -> None:
+        retried: dict[str, Any] = {"retried": summary.retried} if summary.retried else {}
         for warning in summary.warnings:
             logs.event(log, "foreign commit", level=30, batch=summary.batch_id,
                        warning=warning)
@@ -562,6 +568,7 @@ class Driver:
             task_seconds=round(summary.task_seconds, 3),
             commit_seconds=round(summary.commit_seconds, 3),
             insert_seconds=round(summary.insert_seconds, 3),
+            **retried,
         )
 
     # ------------------------------------------------------------------ query
@@ -705,6 +712,7 @@ class Driver:
                             logs.event(log, "stop timeout: abandoning the running batch",
                                        level=30)
                         stopped_here = True
+                        quiet_query_stop(self.spark)
                         self.query.stop()
                         break
                 try:
@@ -835,35 +843,75 @@ def make_spark(config: Config, extra_conf: Mapping[str, str] | None = None,
     b = builder or SparkSession.builder
     b = b.appName(config.job.name)
     spark_level = spark_log_level()
-    if spark_level is not None:
-        b = b.config("spark.log.level", spark_level)
+    for key, value in session_defaults(spark_level).items():
+        b = b.config(key, value)
     for key, value in (extra_conf or {}).items():
         b = b.config(key, value)
     spark = b.getOrCreate()
     check_speculation(spark)
     if spark_level == "WARN":
-        quiet_failure_traces(spark)
+        quiet_spark_loggers(spark)
     return spark
 
 
-FAILURE_TRACE_LOGGERS = (
-    # Spark's loggers that print a failed task's or query's Java and Python traces
-    # again and again; the driver logs the failure as one line ("batch failed",
-    # "query failed"). TaskSetManager stays: its "Lost task" warning is the only sign
-    # of a task that failed and succeeded on retry.
-    "org.apache.spark.executor.Executor",
-    "org.apache.spark.sql.execution.streaming.MicroBatchExecution",
-    "org.apache.spark.sql.execution.streaming.StreamExecution",
-)
+def session_defaults(spark_level: str | None) -> dict[str, str]:
+    """What the job sets on its session unless the user set it (``--conf``): Spark's
+    log level, the Python workers' log level and format (the driver's, so one format
+    across driver and executors), no adaptive execution (streaming has none), and no
+    console progress bar ever (it fills a job's log with ``[Stage 1:===>`` lines)."""
+    from pyspark import SparkConf
+
+    user = SparkConf()
+    wanted = {f"spark.executorEnv.{k}": v for k, v in logs.worker_env().items()}
+    # streaming queries run without adaptive execution; Spark warns at each start
+    # that it turned it off
+    wanted["spark.sql.adaptive.enabled"] = "false"
+    if spark_level is not None:
+        wanted["spark.log.level"] = spark_level
+    chosen = {k: v for k, v in wanted.items() if not user.contains(k)}
+    # a shell's default, not the user's choice: pyspark's launcher turns it on
+    chosen["spark.ui.showConsoleProgress"] = "false"
+    return chosen
 
 
-def quiet_failure_traces(spark: Any) -> None:
-    """Spark's failure traces only at DEBUG (``--log-level DEBUG`` leaves them on)."""
+QUIET_SPARK_LOGGERS = {
+    # A failed task's or query's Java and Python traces, printed again and again: the
+    # driver logs the failure as one line ("batch failed", "query failed") and the
+    # task logs why it failed as one line ("task attempt failed").
+    "org.apache.spark.executor.Executor": "OFF",
+    "org.apache.spark.sql.execution.streaming.MicroBatchExecution": "OFF",
+    "org.apache.spark.sql.execution.streaming.StreamExecution": "OFF",
+    # "Lost task ... (the whole trace)" per failed attempt; its ERROR "failed N times;
+    # aborting job" stays.
+    "org.apache.spark.scheduler.TaskSetManager": "ERROR",
+    # "Current batch is falling behind": the batch lines carry each batch's duration.
+    "org.apache.spark.sql.execution.streaming.ProcessingTimeExecutor": "ERROR",
+}
+
+
+def quiet_query_stop(spark: Any) -> None:
+    """``query.stop()`` cancels the query's job group whether a job runs or not, and
+    Spark's scheduler warns when none did ("Failed to cancel job group ... Cannot find
+    active jobs for it"): a clean stop is no warning. The job is stopping, so its
+    scheduler stays at ERROR (not at ``--log-level DEBUG``)."""
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        return
     try:
         jvm = spark.sparkContext._jvm
-        for name in FAILURE_TRACE_LOGGERS:
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+            "org.apache.spark.scheduler.DAGScheduler", jvm.org.apache.logging.log4j.Level.ERROR)
+    except Exception as exc:  # a JVM without log4j 2
+        log.debug("quieting Spark's scheduler failed: %s", exc)
+
+
+def quiet_spark_loggers(spark: Any) -> None:
+    """Spark's traces and notices that need no action only at DEBUG (``--log-level
+    DEBUG`` leaves every logger on)."""
+    try:
+        jvm = spark.sparkContext._jvm
+        for name, level in QUIET_SPARK_LOGGERS.items():
             jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
-                name, jvm.org.apache.logging.log4j.Level.OFF)
+                name, jvm.org.apache.logging.log4j.Level.getLevel(level))
     except Exception as exc:  # a JVM without log4j 2: the traces stay
-        log.debug("quieting Spark's failure traces failed: %s", exc)
+        log.debug("quieting Spark's loggers failed: %s", exc)
 

@@ -77,6 +77,8 @@ from blockagg.spark.components import (
 from blockagg.spark.exceptions import TaskContractError
 from blockagg.spark.offsets import PlannedRange, TopicPartition
 
+_log = logs.get("task")
+
 
 @dataclass(frozen=True)
 class TaskContext:
@@ -487,13 +489,40 @@ def run_range(
             f"{tp[0]}[{tp[1]}]: rows [{offsets[0]}, {offsets[-1]}] fall outside the planned "
             f"range [{rng.start}, {rng.end}) of batch {ctx.batch_id}"
         )
-    # Fence every older attempt at this partition before reading anything (invariant 6).
-    attempt = open_attempt(ctx.components.store(config), tp[0], tp[1])
     try:
-        return _run_attempt(ctx, tp, rng, offsets, values, timestamps_ms, attempt, started)
-    finally:
-        if attempt is not None:
-            attempt.close()
+        # Fence every older attempt at this partition before reading anything (invariant 6).
+        attempt = open_attempt(ctx.components.store(config), tp[0], tp[1])
+        try:
+            return _run_attempt(ctx, tp, rng, offsets, values, timestamps_ms, attempt,
+                                started)
+        finally:
+            if attempt is not None:
+                attempt.close()
+    except Exception as exc:
+        _log_failed_attempt(ctx, tp, exc)
+        raise
+
+
+def _log_failed_attempt(ctx: TaskContext, tp: TopicPartition, exc: BaseException) -> None:
+    """One line per failed task attempt, in the log of the process that ran it: Spark's
+    own "Lost task" warning (the whole Java and Python trace) is quieted
+    (``driver.QUIET_SPARK_LOGGERS``), and the driver learns of an attempt that failed
+    and was retried only from Spark. The trace is at DEBUG."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())[:1000]
+    logs.event(_log, "task attempt failed", level=30, batch=ctx.batch_id,
+               partition=f"{tp[0]}[{tp[1]}]", attempt=spark_attempt(), error=text)
+    _log.debug("task attempt failed", exc_info=exc)
+
+
+def spark_attempt() -> int:
+    """Which attempt of its Spark task this is (1 for the first; 1 outside a task)."""
+    try:
+        from pyspark import TaskContext as SparkTask
+
+        spark_task = SparkTask.get()
+        return 1 + (spark_task.attemptNumber() if spark_task is not None else 0)
+    except Exception:  # not in a Spark task (the driver runs empty ranges itself)
+        return 1
 
 
 def _run_attempt(
@@ -576,6 +605,7 @@ def _run_attempt(
         "dead_letters": dict(dead_letters),
         "clickhouse_errors": dict(sink.errors),
         "seconds": time.time() - started,
+        "attempt": spark_attempt(),
     }
 
 

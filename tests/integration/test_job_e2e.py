@@ -235,12 +235,19 @@ def test_restart_and_deleted_checkpoint_exact(job: JobEnv, producer: Producer) -
 
 def test_task_failing_once_is_retried_exact(job: JobEnv, producer: Producer,
                                             tmp_path: Path) -> None:
+    """Spark retries the failed task; the failure is one line where it ran ("task
+    attempt failed", no trace) and the batch line names the partition that needed a
+    retry."""
     marker = tmp_path / "failed-once"
     producer.messages(100)
-    ok(job.run("--until-caught-up", master="local[2,4]",
-               env={"BLOCKAGG_TEST_FAIL_ONCE": str(marker)}))
+    out = ok(job.run("--until-caught-up", master="local[2,4]",
+                     env={"BLOCKAGG_TEST_FAIL_ONCE": str(marker)}))
     assert marker.exists()
     assert_exact(job, producer)
+    failed = [line for line in out.splitlines() if "task attempt failed" in line]
+    assert len(failed) == 1 and "attempt=1" in failed[0], out[-4000:]
+    assert "retried={" in out and "attempt=2" not in failed[0], out[-4000:]
+    assert "Traceback" not in out and "Lost task" not in out, out[-4000:]
 
 
 def _wait_for(proc: subprocess.Popen[str], text: str, timeout: float = 120) -> list[str]:

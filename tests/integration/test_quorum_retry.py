@@ -56,7 +56,7 @@ def test_a_retry_after_a_quorum_timeout_succeeds_only_once_the_quorum_holds_the_
     writer = writer_for(stack_env, insert_quorum=2, insert_quorum_timeout_ms=1500,
                         max_attempts=4)
     batch, block, _ = _batch_and_blocks(writer, table, tmp_path)
-    caplog.set_level(logging.WARNING, logger="blockagg.aggregator.clickhouse.writer")
+    caplog.set_level(logging.INFO, logger="blockagg.aggregator.clickhouse.writer")
     ch_replicas[1].execute(f"SYSTEM STOP FETCHES {table}")
     try:
         # Attempt 1 stores the part on r1 and times out waiting for r2; attempts 2-4

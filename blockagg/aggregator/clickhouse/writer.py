@@ -1164,10 +1164,11 @@ class ClickHouseBlockWriter:
                     raise InsertFailed(what, code, last_message, attempt) from exc
             if is_quorum_failure(last_code, last_message):
                 quorum = (last_code, last_message)
-            log.warning("%s on %s:%d failed (attempt %d/%d): %s; retrying %s", what,
-                        replica.host, replica.port, attempt, self.config.max_attempts,
-                        last_message.split("Stack trace:")[0].strip(),
-                        "the query" if what == "(query)" else "the identical block")
+            log.log(retry_level(attempt, self.config.max_attempts, last_code, last_message),
+                    "%s on %s:%d failed (attempt %d/%d): %s; retrying %s", what,
+                    replica.host, replica.port, attempt, self.config.max_attempts,
+                    last_message.split("Stack trace:")[0].strip(),
+                    "the query" if what == "(query)" else "the identical block")
             self._drop(replica)
             self._preferred += 1
             if attempt < self.config.max_attempts:
@@ -1326,6 +1327,16 @@ def _runs(payloads: Sequence[Rows]) -> list[tuple[ColumnSet, int, int]]:
 def is_quorum_failure(code: int | None, message: str) -> bool:
     """Whether a refused insert says the quorum could not be reached."""
     return code in QUORUM_CODES or (code in (159, 319) and "quorum" in message.lower())
+
+
+def retry_level(attempt: int, attempts: int, code: int | None, message: str) -> int:
+    """How loud a failed attempt that is retried is: INFO while it is what a healthy
+    cluster does now and then (a first failure, or another insert's quorum still
+    pending: 18.16 takes one quorum insert per table at a time, so partitions writing
+    one table queue behind each other), WARNING once it persists and at the last
+    attempt. Pure."""
+    pending = code == 286 and "previous write" in message
+    return logging.INFO if attempt == 1 or (pending and attempt < attempts) else logging.WARNING
 
 
 def is_alter_pending(code: int | None, message: str) -> bool:

@@ -331,3 +331,57 @@ def test_partitions_added_while_running_have_the_tables_judged_again() -> None:
     d.check_tables.assert_called_once_with([("t", 0), ("t", 1), ("t", 2)])
     d.on_batch(MagicMock(), 3)
     assert d.check_tables.call_count == 1
+
+
+def test_quorum_contention_and_first_retries_are_info_persisting_ones_warn() -> None:
+    """A healthy cluster's retries are no warning (issue 26, item 2): the first failure
+    of a block, and 18.16's one-quorum-insert-per-table contention until the last
+    attempt. A failure that persists warns."""
+    from blockagg.aggregator.clickhouse.writer import retry_level
+
+    pending = "Quorum for previous write has not been satisfied yet. Status: version: 1"
+    assert retry_level(1, 6, 210, "Connection refused") == logging.INFO
+    assert retry_level(2, 6, 210, "Connection refused") == logging.WARNING
+    assert retry_level(5, 6, 286, pending) == logging.INFO
+    assert retry_level(6, 6, 286, pending) == logging.WARNING
+    assert retry_level(2, 6, 285, "Number of alive replicas (1) is less than requested "
+                       "quorum (2)") == logging.WARNING
+
+
+def test_executors_log_in_the_drivers_format_and_level() -> None:
+    """``--log-format text --log-level DEBUG`` reaches the Python workers through
+    ``spark.executorEnv.*``: one format across driver and executors."""
+    from blockagg.spark.driver import session_defaults
+
+    logs.setup()
+    root = logging.getLogger()
+    ours = next(h for h in root.handlers if getattr(h, "_blockagg", False))
+    before = (root.level, ours.formatter)
+    try:
+        root.setLevel(logging.DEBUG)
+        ours.setFormatter(logs.TextFormatter())
+        assert logs.worker_env() == {"BLOCKAGG_LOG_LEVEL": "DEBUG",
+                                     "BLOCKAGG_LOG_FORMAT": "text"}
+        conf = session_defaults("INFO")
+        assert conf["spark.executorEnv.BLOCKAGG_LOG_FORMAT"] == "text"
+        assert conf["spark.executorEnv.BLOCKAGG_LOG_LEVEL"] == "DEBUG"
+        assert conf["spark.ui.showConsoleProgress"] == "false"
+        assert conf["spark.log.level"] == "INFO"
+        ours.setFormatter(logs.JsonFormatter())
+        root.setLevel(logging.INFO)
+        assert logs.worker_env()["BLOCKAGG_LOG_FORMAT"] == "json"
+        assert "spark.log.level" not in session_defaults(None)
+    finally:
+        root.setLevel(before[0])
+        ours.setFormatter(before[1])
+
+
+def test_a_task_that_succeeded_after_failed_attempts_is_named_in_the_batch_line() -> None:
+    summary = BatchSummary(batch_id=4)
+    base = {"messages": 1, "rows": 1, "bytes": 1, "blocks": 1, "replayed_blocks": 0,
+            "dead_letters": {}, "skipped": False, "commits": 2, "seconds": 0.1,
+            "partition": 0, "topic": "t"}
+    summary.add({**base, "attempt": 1})
+    summary.add({**base, "partition": 1, "attempt": 3})
+    summary.add({k: v for k, v in base.items() if k != "attempt"} | {"partition": 2})
+    assert summary.retried == {"t[1]": 3}
