@@ -33,6 +33,8 @@ stand for):
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import re
 import shlex
@@ -47,7 +49,7 @@ from typing import Any
 
 import pytest
 
-from tests.integration.user_job import REPO, fenced_blocks, shell_commands
+from tests.integration.user_job import REPO, shell_commands
 
 pytestmark = pytest.mark.integration
 
@@ -296,8 +298,155 @@ def test_running_md_hanging_transaction_runbook(
                    for line in shown.splitlines()), shown
     finally:
         store.close()
-        try:
+        with contextlib.suppress(Exception):  # the runbook aborted its transaction
             producer.abort_transaction(10)
-        except Exception:  # noqa: BLE001 - its transaction was aborted by the runbook
-            pass
     print(f"runbook: {time.monotonic() - started:.1f} s")
+
+
+# --- schemas.md's ba-schema block and evolution steps; the SQL through clickhouse-client -
+
+
+@pytest.fixture
+def shop(ch_replicas: list[Any]) -> Iterator[tuple[str, str]]:
+    """Databases unique to the test for the docs' ``shop`` and ``blockagg``."""
+    names = (f"shop_{uuid.uuid4().hex[:10]}", f"dl_{uuid.uuid4().hex[:10]}")
+    yield names
+    for client in ch_replicas:
+        for name in names:
+            client.execute(f"DROP DATABASE IF EXISTS {name}")
+
+
+def test_schemas_md_ba_schema_block_and_evolution_steps(
+        tmp_path: Path, stack_env: dict[str, str], ch_replicas: list[Any],
+        shop: tuple[str, str], new_topic: Callable[..., str]) -> None:
+    db, dl = shop
+    host = stack_env["BLOCKAGG_CH_HOST"]
+    ports = stack_env["BLOCKAGG_CH_PORTS"].split(",")
+    started = time.monotonic()
+
+    def ours(text: str) -> str:
+        text = re.sub(r"\bshop\.(orders|events)\b", rf"{db}.\1", text)
+        text = text.replace("DATABASE IF NOT EXISTS shop;", f"DATABASE IF NOT EXISTS {db};")
+        text = text.replace("database = 'shop'", f"database = '{db}'")
+        text = re.sub(r"\bblockagg\.dead_letters\b", f"{dl}.dead_letters", text)
+        text = text.replace("DATABASE IF NOT EXISTS blockagg;", f"DATABASE IF NOT EXISTS {dl};")
+        text = text.replace("/blockagg/dead_letters", f"/{dl}/dead_letters")
+        return re.sub(r"(?<![\w/])scripts/stack\b", str(STACK), text)
+
+    # No stack addresses in the environment: the block's `eval "$(scripts/stack env)"`
+    # must provide them.
+    env = {k: v for k, v in os.environ.items() if k not in stack_env or k == "BLOCKAGG_STACK_DIR"}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{tmp_path}:{REPO}"
+
+    # producing.md: `clickhouse-client --host … --port …` against each replica;
+    # schemas.md: the dead-letter DDL with `clickhouse-client --port 19000 --multiquery`.
+    client_cmd = inline(PRODUCING_MD, "clickhouse-client --host … --port …")
+    inline(SCHEMAS_MD, "clickhouse-client --port 19000 --multiquery")
+    (tmp_path / "orders.sql").write_text(ours(the_block(PRODUCING_MD, "sql",
+                                                        "CREATE DATABASE IF NOT EXISTS shop;")))
+    (tmp_path / "dead_letters.sql").write_text(ours(the_block(
+        SCHEMAS_MD, "sql", "CREATE DATABASE IF NOT EXISTS blockagg;")))
+    events = (f"CREATE TABLE {db}.events (id UInt64, name String) ENGINE = "
+              f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{db}.events', '{{replica}}') "
+              "ORDER BY id")
+    for port in ports:
+        base = client_cmd.replace("--host …", f"--host {host}").replace("--port …",
+                                                                        f"--port {port}")
+        run(f"{base} --multiquery < orders.sql", env, cwd=tmp_path)
+        run(f"clickhouse-client --host {host} --port {port} --multiquery < dead_letters.sql",
+            env, cwd=tmp_path)
+        run(f"{base} --query \"{events}\"", env, cwd=tmp_path)
+
+    def sql(statement: str, replica: int = 0) -> list[Any]:
+        return list(ch_replicas[replica].execute(statement))
+
+    # schemas.md: the coordinate columns (the ALTER the job's refusal names) on shop.events,
+    # the incarnation column on shop.orders and, as its comment says, the dead letters.
+    [coordinates] = the_block(SCHEMAS_MD, "sql",
+                              "_topic String, _partition UInt32, _offset UInt64").split("\n")[:1]
+    sql(f"ALTER TABLE {db}.events " + ", ".join(
+        f"ADD COLUMN {c.strip()}" for c in coordinates.split(",")))
+    incarnation = the_block(SCHEMAS_MD, "sql", "_incarnation UInt64 DEFAULT 0       -- the "
+                            "dead-letter table: incarnation UInt64 DEFAULT 0")
+    column, _, dead_letter_column = incarnation.strip().partition("-- the dead-letter table:")
+    sql(f"ALTER TABLE {db}.orders ADD COLUMN {column.strip()}")
+    sql(f"ALTER TABLE {dl}.dead_letters ADD COLUMN {dead_letter_column.strip()}")
+
+    # the files the block names: producing.md's row type, its descriptor set (the
+    # documented protoc command), an ev.proto for shop.events, and v2 with the new field
+    order_proto = next(b for lang, b in all_blocks(PRODUCING_MD)
+                   if lang == "proto" and "package shop.v1" in b)
+    (tmp_path / "shop" / "v1").mkdir(parents=True)
+    (tmp_path / "shop" / "v1" / "order.proto").write_text(order_proto)
+    protoc = inline(SCHEMAS_MD, "protoc --include_imports --descriptor_set_out=FILE")
+    run("python -m grpc_tools." + protoc.replace("FILE", "order.pb") + " -I . shop/v1/order.proto",
+        env, cwd=tmp_path)
+    (tmp_path / "ev.proto").write_text('syntax = "proto3";\npackage ev.v1;\n'
+                                       "message Event { uint64 id = 1; string name = 2; }\n")
+    new_field = re.search(r"the row type with the new field \(`([^`]+)`\)",
+                          doc_text(SCHEMAS_MD))
+    assert new_field, "schemas.md no longer names v2's new field"
+    (tmp_path / "order_v2.proto").write_text(
+        order_proto.rstrip().removesuffix("}") + f"  {new_field.group(1)}\n}}\n")
+
+    block = ours(the_block(SCHEMAS_MD, "sh", "eval \"$(scripts/stack env)\"            # "
+                           "BLOCKAGG_BOOTSTRAP_SERVERS, BLOCKAGG_CH_HOST, ..."))
+    commands = shell_commands(block)
+    evolve = next(i for i, c in enumerate(commands) if "--version 2" in c)
+
+    def script(lines: list[str]) -> str:
+        return "set -e\n" + "\n".join([commands[0], *lines])
+
+    run(script(commands[1:evolve]), env, cwd=tmp_path)
+
+    # schemas.md's evolution steps, before the block's `--version 2` lines presume a v2
+    alter = ours(the_block(SCHEMAS_MD, "sql",
+                           "ALTER TABLE shop.orders ADD COLUMN note String DEFAULT 'none';"))
+    sql(alter.strip().rstrip(";"))  # on one replica: ReplicatedMergeTree replicates it
+    columns = ours(inline(SCHEMAS_MD, "SELECT name FROM system.columns WHERE database = "
+                                      "'shop' AND table = 'orders'"))
+    for replica in range(len(ch_replicas)):
+        assert ("note",) in sql(columns, replica)
+    steps = [ours(inline(SCHEMAS_MD, "ba-schema check shop.orders")),
+             ours(inline(SCHEMAS_MD, "ba-schema register shop.orders --proto order_v2.proto "
+                                     "--message shop.v1.Order"))]
+    run(script(steps), env, cwd=tmp_path)
+    out = run(script(commands[evolve:]), env, cwd=tmp_path)
+    assert "FULL" in out, out
+
+    # running.md's DETACH/ATTACH remedy, on a replica, through clickhouse-client
+    remedy = the_block(RUNNING_MD, "sql", "DETACH TABLE db.t;").replace("db.t", f"{db}.orders")
+    run(f"clickhouse-client --host {host} --port {ports[-1]} --multiquery --query "
+        f"{shlex.quote(remedy)}", env)
+    assert ("note",) in sql(columns, len(ch_replicas) - 1)
+
+    # producing.md: `scripts/stack kafka-topics --describe --topic orders`: four partitions
+    topic = new_topic(partitions=4, prefix="orders")
+    described = run(ours(inline(PRODUCING_MD, "scripts/stack kafka-topics --describe --topic "
+                                              "orders")).replace("orders", topic), env)
+    assert described.count("Partition: ") == 4, described
+    print(f"ba-schema block: {time.monotonic() - started:.1f} s")
+
+
+def test_running_md_dead_letter_missing_blocks_restart_parses(tmp_path: Path) -> None:
+    """The restart command's flags, after ``job.py``, through the job's own parsing:
+    the ``--set`` value is TOML, quoted for the shell as written."""
+    from blockagg.aggregator.config import load
+    from blockagg.spark.job import _toml_value
+
+    block = the_block(RUNNING_MD, "sh",
+                      "spark-submit ... blockagg/spark/job.py --config blockagg.toml \\")
+    [command] = shell_commands(block)
+    args = shlex.split(command)
+    args = args[args.index("blockagg/spark/job.py") + 1:]
+    assert args[:2] == ["--config", "blockagg.toml"]
+    [value] = [v for flag, v in itertools.pairwise(args) if flag == "--set"]
+    key, _, text = value.partition("=")
+    toml = tmp_path / "blockagg.toml"
+    toml.write_text('[job]\nmetadata_group_id = "g"\ncheckpoint_location = "/tmp/c"\n'
+                    '[kafka]\n"bootstrap.servers" = "127.0.0.1:19092"\n'
+                    '[[topics]]\nname = "events"\nreplicas = ["127.0.0.1:19000"]\n')
+    config = load(str(toml), {key: _toml_value(text)})
+    [missing] = config.job.dead_letter_missing_blocks
+    assert "events" in str(missing) and "120400" in str(missing), missing
