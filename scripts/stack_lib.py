@@ -502,6 +502,8 @@ KAFKA_TOOLS: dict[str, str] = {
     "kafka-topics": "org.apache.kafka.tools.TopicCommand",
     "kafka-consumer-groups": "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand",
     "kafka-transactions": "org.apache.kafka.tools.TransactionsCommand",
+    # running.md's hanging-transaction runbook reads the hanging commit with it
+    "kafka-console-consumer": "org.apache.kafka.tools.consumer.ConsoleConsumer",
 }
 
 

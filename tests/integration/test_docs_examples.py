@@ -15,9 +15,10 @@ topic unique to the test for ``shop``, ``orders`` and the dead letters' ``blocka
 the repository's ``scripts/stack`` for ``scripts/stack`` (the test runs in its own
 folder), the test's Python for ``python``, and the config file.
 
-Not covered: README.md's and running.md's other blocks (the TOML, the stop commands,
-the runbooks' kafka-transactions lines), and producing.md's ``clickhouse-client``
-invocations (the test sends the SQL through clickhouse-driver).
+The docs' other blocks, and the runbooks' inline commands, are run by
+``test_docs_runbooks.py``, which also lists every fenced block of README.md and the
+three docs with who runs it or why nobody does (output shown in the docs), and fails
+on a new block that is neither.
 """
 
 from __future__ import annotations

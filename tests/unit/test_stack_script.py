@@ -157,6 +157,7 @@ def test_pom_lists_the_dependencies() -> None:
         ("kafka-topics", "org.apache.kafka.tools.TopicCommand"),
         ("kafka-consumer-groups", "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand"),
         ("kafka-transactions", "org.apache.kafka.tools.TransactionsCommand"),
+        ("kafka-console-consumer", "org.apache.kafka.tools.consumer.ConsoleConsumer"),
     ],
 )
 def test_kafka_tools_run_their_main_class_on_the_tools_jars_against_the_stack(
