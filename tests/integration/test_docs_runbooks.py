@@ -254,10 +254,11 @@ def test_running_md_hanging_transaction_runbook(
         # transaction's start offset in the group's __consumer_offsets partition
         [listed_row] = [line.split() for line in listed.splitlines() if tid in line.split()]
         producer_id = listed_row[table_header(listed).index("ProducerId")]
-        for _ in range(5):  # the broker's producer state may lag the commit a moment
+        waited = time.monotonic()
+        while True:  # the broker's producer state may lag the commit a moment
             rows = [line.split() for line in described.splitlines()
                     if line.split()[:1] == [producer_id]]
-            if rows:
+            if rows or time.monotonic() - waited > 10:
                 break
             time.sleep(1)
             described = run(ours(producers), env)

@@ -44,12 +44,15 @@ class Diagnose(Protocol):
 def offsets_partition(group: str, partitions: int) -> int:
     """The ``__consumer_offsets`` partition that holds ``group``'s commits: Kafka's
     ``Utils.abs(groupId.hashCode()) % offsets.topic.num.partitions``, with Java's
-    ``String.hashCode`` over UTF-16 code units."""
+    ``String.hashCode`` over UTF-16 code units (a signed int: ``Utils.abs`` negates a
+    negative one, and maps ``Integer.MIN_VALUE`` to 0; masking the sign bit instead
+    names another partition for half of all groups)."""
     h = 0
     units = group.encode("utf-16-be")
     for i in range(0, len(units), 2):
         h = (31 * h + int.from_bytes(units[i:i + 2], "big")) & 0xFFFFFFFF
-    return (h & 0x7FFFFFFF) % partitions
+    signed = h - (1 << 32) if h & 0x80000000 else h
+    return (0 if signed == -(1 << 31) else abs(signed)) % partitions
 
 
 def unstable_read(

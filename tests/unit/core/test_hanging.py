@@ -17,11 +17,13 @@ from tests.unit.core.test_kafka_metadata_store import ScriptedConsumer
 
 
 @pytest.mark.parametrize(("group", "partitions", "expected"), [
-    # from Java: (s.hashCode() & 0x7fffffff) % partitions
+    # from Java with Kafka 4.3.1's jars: Utils.abs(s.hashCode()) % partitions
     ("blockagg-fx-9afaf273", 50, 41),
-    ("my-group", 50, 36),
+    ("my-group", 50, 12),  # a negative hashCode (-1906497762): negated, not masked
+    ("runbook-a0d9ccfb3b", 3, 2),  # negative too; masking said 0 (the runbook test's flake)
     ("grüße-€-𝄞", 50, 29),  # non-ASCII and a surrogate pair: UTF-16 code units
     ("blockagg-metadata", 50, 0),
+    ("polygenelubricants", 50, 0),  # hashCode Integer.MIN_VALUE: Utils.abs gives 0
     ("blockagg-fx-9afaf273", 3, 0),
 ])
 def test_the_offsets_partition_is_kafkas(group: str, partitions: int, expected: int) -> None:
