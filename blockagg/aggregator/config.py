@@ -351,6 +351,11 @@ class KafkaConfig:
     common: Mapping[str, PassValue] = field(default_factory=dict)
     spark: Mapping[str, PassValue] = field(default_factory=dict)
     librdkafka: Mapping[str, PassValue] = field(default_factory=dict)
+    allow_unsafe_durability: bool = False
+    """Start although a topic the job depends on could lose acknowledged records
+    (replication factor 1, ``min.insync.replicas`` below 2 or unclean leader election,
+    on a cluster of several brokers; ``kafka.durability``): each finding is a WARNING
+    line instead of a refusal."""
 
     @property
     def bootstrap_servers(self) -> str:
@@ -394,7 +399,8 @@ class KafkaConfig:
     def __repr__(self) -> str:
         return (
             f"KafkaConfig(common={_masked(self.common)!r}, spark={_masked(self.spark)!r}, "
-            f"librdkafka={_masked(self.librdkafka)!r})"
+            f"librdkafka={_masked(self.librdkafka)!r}, "
+            f"allow_unsafe_durability={self.allow_unsafe_durability})"
         )
 
 
@@ -685,6 +691,24 @@ def _scalar_str(value: object, path: str) -> str:
     raise ConfigError(f"{path}: expected a string, number or boolean, got {value!r}")
 
 
+def _check_producer_durability(section: str, opts: Mapping[str, PassValue]) -> None:
+    """Refuse producer settings that would let Kafka acknowledge a record it can lose:
+    the job's producers are idempotent with ``acks=all`` (its transactional producers
+    cannot be otherwise: librdkafka would refuse them at the first commit, in a task)."""
+    acks = str(opts.get("acks", "all")).strip().lower()
+    if acks not in ("all", "-1"):
+        raise ConfigError(
+            f'{section}."acks" = {acks!r}: a record acknowledged by fewer than every in-sync '
+            "replica can be lost, and the job's transactional producers require acks=all: "
+            "remove the key (the job uses all)")
+    idempotence = str(opts.get("enable.idempotence", "true")).strip().lower()
+    if idempotence != "true":
+        raise ConfigError(
+            f'{section}."enable.idempotence" = {idempotence!r}: a retried produce could write '
+            "a record twice, and the job's transactional producers require idempotence: "
+            "remove the key (the job enables it)")
+
+
 def _passthrough(
     table: _Table, owned: Mapping[str, str], skip: tuple[str, ...] = (), lower: bool = False
 ) -> dict[str, PassValue]:
@@ -957,6 +981,7 @@ def from_dict(
         else {}
     rdk_raw = kafka_t.data.pop("librdkafka", {}) \
         if isinstance(kafka_t.data.get("librdkafka"), dict) else {}
+    allow_unsafe = kafka_t.take("allow_unsafe_durability", _bool, False)
     common = _passthrough(kafka_t, _KAFKA_OWNED)
     spark_opts = _passthrough(_Table(spark_raw, "kafka.spark"), _KAFKA_OWNED)
     rdk_opts = _passthrough(_Table(rdk_raw, "kafka.librdkafka"), _KAFKA_OWNED)
@@ -972,7 +997,9 @@ def from_dict(
                 f"kafka.\"{key}\": give Kafka client keys without the \"kafka.\" prefix, "
                 f"e.g. \"{key[6:]}\""
             )
-    kafka = KafkaConfig(common, spark_opts, rdk_opts)
+    for section, opts in (("kafka", common), ("kafka.librdkafka", rdk_opts)):
+        _check_producer_durability(section, opts)
+    kafka = KafkaConfig(common, spark_opts, rdk_opts, allow_unsafe)
     if not kafka.bootstrap_servers:
         raise ConfigError(
             "kafka.\"bootstrap.servers\": required, e.g. \"bootstrap.servers\" = "
@@ -1057,3 +1084,4 @@ def iter_keys() -> Iterator[str]:
         for name in cls.__dataclass_fields__:
             yield f"{section}.{name}"
     yield "clickhouse.password_env"
+    yield "kafka.allow_unsafe_durability"

@@ -8,6 +8,9 @@ a trace that names neither).
 * the Kafka connector (``spark-sql-kafka-0-10``) is on the classpath the session gets;
 * the metrics port is free (the server is bound here and kept: ``serve_metrics``);
 * Kafka answers and every configured topic exists (a pattern matches a topic);
+* Kafka keeps what it acknowledges on every topic the job depends on (data topics,
+  ``__consumer_offsets``, ``__transaction_state``, the ownership and registry topics:
+  ``kafka.durability``), unless ``kafka.allow_unsafe_durability``;
 * every ClickHouse replica of every shard answers and accepts the user;
 * the dead-letter table exists with the expected columns on every replica;
 * every registered table on every shard drops a retried block, with the coordinate
@@ -35,7 +38,9 @@ from blockagg.aggregator.clickhouse.startup import check_replicas, driver_check
 from blockagg.aggregator.clickhouse.writer import tls_arguments
 from blockagg.aggregator.config import Config
 from blockagg.aggregator.exceptions import ConfigError
-from blockagg.aggregator.kafka.startup import check_topics
+from blockagg.aggregator.kafka import durability
+from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
+from blockagg.aggregator.kafka.startup import DEFAULT_TIMEOUT, check_topics
 from blockagg.spark import ownership
 from blockagg.spark.exceptions import JobError
 
@@ -209,6 +214,39 @@ def topic_partitions(config: Config, found: Mapping[str, int]) -> list[tuple[str
                   for p in range(count))
 
 
+def check_durability(config: Config, found: Mapping[str, int],
+                     timeout: float = DEFAULT_TIMEOUT) -> durability.Assessment:
+    """Refuse a cluster where Kafka itself could lose an acknowledged intent or message
+    (``kafka.durability``'s rule): each refusal is one ERROR line, then
+    :class:`UnsafeKafkaDurability`; with ``kafka.allow_unsafe_durability`` each is a
+    WARNING line and the start goes on. A single-broker cluster is one INFO notice (a healthy
+    development run prints no warning)."""
+    data = sorted({name for name, _ in topic_partitions(config, found)})
+    own = {config.job.owners_topic: "ownership records",
+           config.schemas.topic: "schema registry"}
+    try:
+        brokers, topics = durability.read(config.kafka.librdkafka_config(), data, own,
+                                          timeout)
+    except UnsafeKafkaDurability as exc:
+        if not config.kafka.allow_unsafe_durability:
+            raise
+        logs.event(log, str(exc), level=30)
+        return durability.Assessment(0, ())
+    result = durability.assess(brokers, topics)
+    if result.dev_stack:
+        logs.event(log, durability.DEV_NOTICE, brokers=brokers)
+        return result
+    allowed = config.kafka.allow_unsafe_durability
+    for finding in result.findings:
+        unsafe = finding.refuse and not allowed
+        logs.event(log, finding.line(), level=40 if unsafe else 30)
+    if result.refusals and not allowed:
+        first, more = result.refusals[0].line(), len(result.refusals) - 1
+        raise UnsafeKafkaDurability(first + (f" (and {more} more, logged above)" if more
+                                             else ""))
+    return result
+
+
 def run(config: Config, clickhouse: bool = True, run_id: str = "",
         tables: TableGuard | None = None, spark: bool = False,
         metrics: JobMetrics | None = None) -> None:
@@ -226,6 +264,7 @@ def run(config: Config, clickhouse: bool = True, run_id: str = "",
     names = [t.name for t in config.topics if t.name is not None]
     patterns = [t.pattern for t in config.topics if t.pattern is not None]
     found = check_topics(config.kafka.librdkafka_config(), names, patterns)
+    check_durability(config, found)
     timeout = min(CLICKHOUSE_TIMEOUT, config.clickhouse.connect_timeout)
     seen: set[tuple[str, int]] = set()
     ch = config.clickhouse

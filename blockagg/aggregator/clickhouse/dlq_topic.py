@@ -78,8 +78,8 @@ class DeadLetterTopic:
                  producer_factory: Callable[[dict[str, Any]], Producer] | None = None) -> None:
         self.topic = topic
         self.timeout_s = timeout_s
-        self.config = {"enable.idempotence": True, "acks": "all",
-                       "partitioner": "murmur2_random", "linger.ms": 5, **dict(config)}
+        self.config = {"partitioner": "murmur2_random", "linger.ms": 5, **dict(config),
+                       "enable.idempotence": True, "acks": "all"}
         self._factory = producer_factory or _confluent_producer
         self._producer: Producer | None = None
 

@@ -55,3 +55,9 @@ class TopicOwned(KafkaAdapterError):
 
 class ClaimRaced(KafkaAdapterError):
     """An ownership record changed between the start's decision and its write."""
+
+
+class UnsafeKafkaDurability(KafkaAdapterError):
+    """A topic the job depends on is configured so that Kafka itself could lose an
+    acknowledged record (``kafka.durability``): refused at start unless
+    ``kafka.allow_unsafe_durability``."""

@@ -91,3 +91,12 @@ def test_publish_failure_raises_so_the_batch_is_retried() -> None:
     batch, dead, _ = batch_and_blocks()
     with pytest.raises(DeadLetterPublishFailed, match="broker down"):
         DeadLetterTopicSink(Sink(), dlq).insert(dead, batch)
+
+
+def test_the_producer_stays_idempotent_with_acks_all_whatever_the_settings_say() -> None:
+    """Passed-through client settings cannot weaken the dead-letter producer: a record
+    acknowledged by one replica could be lost."""
+    dlq = DeadLetterTopic({"acks": "1", "enable.idempotence": False, "linger.ms": 50}, "dlq",
+                          producer_factory=lambda c: FakeProducer())
+    assert dlq.config["enable.idempotence"] is True and dlq.config["acks"] == "all"
+    assert dlq.config["linger.ms"] == 50
