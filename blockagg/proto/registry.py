@@ -285,17 +285,26 @@ class KafkaStore:
         self.timeout_s = timeout_s
         self._watcher: Any = None
 
-    def ensure_topic(self, replication_factor: int = -1) -> None:
-        """Create the topic (1 partition, ``cleanup.policy=compact``) if missing."""
+    def ensure_topic(self, replication_factor: int | None = None) -> None:
+        """Create the topic (1 partition, ``cleanup.policy=compact``) if missing. By
+        default with the durability ``kafka.durability.creation_settings`` gives for the
+        cluster's broker count (RF 3 and ``min.insync.replicas=2`` on three brokers or
+        more, not the broker's default of 1), so the start-up check accepts it."""
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+        from blockagg.aggregator.kafka.durability import creation_settings
 
         admin = AdminClient(logs.kafka_client_config(self.config))
         md = admin.list_topics(timeout=self.timeout_s)
         if self.topic in md.topics:
             return
+        settings = {"cleanup.policy": "compact"}
+        if replication_factor is None:
+            replication_factor, extra = creation_settings(len(md.brokers))
+            settings.update(extra)
         futures = admin.create_topics([NewTopic(
             self.topic, num_partitions=1, replication_factor=replication_factor,
-            config={"cleanup.policy": "compact"})])
+            config=settings)])
         for fut in futures.values():
             try:
                 fut.result(self.timeout_s)
