@@ -101,6 +101,12 @@ BLOCKS: dict[tuple[str, str, str], str] = {
      "orders-prod (job.metadata_group_id), or take over deliberately from where orders-prod "
      "stopped with --take-over orders-prod (job.take_over_from) once its job is stopped; a "
      "start after what is stored needs --take-over orders-prod too"): OUTPUT,
+    ("running.md", "", "Kafka topic orders (data topic): min.insync.replicas=1: acks=all is "
+     "acknowledged by a single in-sync replica, whose loss loses the record. Fix: "
+     "kafka-configs.sh --bootstrap-server <servers> --alter --entity-type topics "
+     "--entity-name orders --add-config min.insync.replicas=2; or accept the risk with "
+     "kafka.allow_unsafe_durability = true (--set kafka.allow_unsafe_durability=true)"):
+        OUTPUT + " (tests/unit/core/test_kafka_durability.py checks it is the line)",
     ("running.md", "sql", "DETACH TABLE db.t;"): HERE,
     ("running.md", "sh", "spark-submit ... blockagg/spark/job.py --config blockagg.toml \\"):
         HERE,

@@ -196,3 +196,11 @@ def test_producer_settings_that_can_lose_an_acknowledged_record_are_refused(
         loads(CONFIG.format(extra=f'"{key}" = "{value}"'))
     loads(CONFIG.format(extra='"acks" = "all"'))
     loads(CONFIG.format(extra='"acks" = "-1"'))
+
+
+def test_running_md_shows_the_line_the_check_prints() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[3] / "docs" / "running.md").read_text()
+    [_, isr] = assess(3, [TopicDurability("orders", "data topic", 1, 1, False)]).findings
+    assert f"```\n{isr.line()}\n```" in doc
