@@ -387,8 +387,17 @@ class KafkaStore:
             consumer.close()
 
     def write(self, key: bytes, value: bytes) -> None:
+        """Write one record, creating the topic first if it is missing (compacted, with
+        the durability :meth:`ensure_topic` gives it), never by the broker's
+        ``auto.create.topics.enable`` (its defaults: ``cleanup.policy=delete``, which
+        drops registrations after the retention, and ``default.replication.factor``)."""
         from confluent_kafka import KafkaException, Producer
 
+        try:
+            self.ensure_topic()
+        except KafkaException as exc:
+            raise RegistryError(f"can't read the topics of the cluster to write to registry "
+                                f"topic {self.topic}: {exc}") from exc
         producer = Producer(logs.kafka_client_config(
             {**self.config, "enable.idempotence": True, "acks": "all"}))
         errors: list[str] = []

@@ -51,3 +51,30 @@ def test_an_explicit_replication_factor_is_kept(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(confluent_kafka.admin, "AdminClient", FakeAdmin)
     KafkaStore({"bootstrap.servers": "x:1"}, "_s").ensure_topic(replication_factor=1)
     assert FakeAdmin.created[0].replication_factor == 1
+
+
+class FakeProducer:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    def produce(self, topic: str, key: bytes, value: bytes, on_delivery: Any) -> None:
+        on_delivery(None, None)
+
+    def flush(self, timeout: float) -> int:
+        return 0
+
+
+def test_a_registration_creates_a_missing_registry_topic_itself_not_by_auto_creation(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broker's auto-created topic has ``cleanup.policy=delete`` (registrations gone
+    after the retention) and ``default.replication.factor``: the first write creates it."""
+    import confluent_kafka
+    import confluent_kafka.admin
+
+    FakeAdmin.created, FakeAdmin.brokers = [], 3
+    monkeypatch.setattr(confluent_kafka.admin, "AdminClient", FakeAdmin)
+    monkeypatch.setattr(confluent_kafka, "Producer", FakeProducer)
+    KafkaStore({"bootstrap.servers": "x:1"}, "_blockagg_schemas").write(b"t", b"v")
+    [made] = FakeAdmin.created
+    assert made.topic == "_blockagg_schemas" and made.replication_factor == 3
+    assert made.config["cleanup.policy"] == "compact"
