@@ -886,6 +886,12 @@ QUIET_SPARK_LOGGERS = {
     "org.apache.spark.scheduler.TaskSetManager": "ERROR",
     # "Current batch is falling behind": the batch lines carry each batch's duration.
     "org.apache.spark.sql.execution.streaming.ProcessingTimeExecutor": "ERROR",
+    # A failed batch's other tasks are killed; their Kafka consumers, interrupted while
+    # closing, log an ERROR with ~80 Java frames each ("Failed to close fetcher",
+    # "Error closing Kafka consumer"): the consumer is dropped either way.
+    "org.apache.kafka.clients.consumer.internals.ClassicKafkaConsumer": "OFF",
+    "org.apache.spark.sql.kafka010.consumer.InternalKafkaConsumerPool"
+    "$CustomSwallowedExceptionListener": "OFF",
 }
 
 
