@@ -3,7 +3,7 @@
 :class:`HistoryReader` assigns every partition of ``__consumer_offsets`` explicitly (no
 group membership, nothing committed: ``enable.auto.commit=false``), reads with
 ``isolation.level=read_committed`` so aborted transactional offset commits never show,
-decodes each record with :mod:`verifier.offsets_codec`, keeps the requested groups (and
+decodes each record with :mod:`aggregator.kafka.offsets_codec`, keeps the requested groups (and
 topics), and yields commits through a :class:`CommitMerger`.
 
 Ordering guarantee: a group's commits all live in one ``__consumer_offsets`` partition
@@ -35,8 +35,8 @@ from confluent_kafka import (
 )
 
 from blockagg.aggregator import logs
+from blockagg.aggregator.kafka.offsets_codec import OffsetCommitKey, decode_key, decode_value
 from blockagg.verifier.exceptions import HistoryReadError, OffsetsDecodeError
-from blockagg.verifier.offsets_codec import OffsetCommitKey, decode_key, decode_value
 from blockagg.verifier.rules import Commit
 
 OFFSETS_TOPIC: Final = "__consumer_offsets"

@@ -20,9 +20,9 @@ from click.testing import CliRunner, Result
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+from blockagg.aggregator.kafka.offsets_codec import OffsetCommit, decode_record
 from blockagg.verifier.cli import cli
 from blockagg.verifier.history import OFFSETS_TOPIC, HistoryReader, Tombstone
-from blockagg.verifier.offsets_codec import OffsetCommit, decode_record
 from blockagg.verifier.rules import Commit
 
 pytestmark = pytest.mark.integration

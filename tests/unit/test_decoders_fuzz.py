@@ -19,17 +19,17 @@ from hypothesis import strategies as st
 
 from blockagg.aggregator.core.exceptions import MetadataDecodeError
 from blockagg.aggregator.core.metadata import PREFIX, PREFIX_PINNED, decode, encode
-from blockagg.proto.envelope import Parsed, decode_envelope, make_envelope, parse_envelope
-from blockagg.proto.exceptions import EnvelopeDecodeError, RegistryDecodeError
-from blockagg.proto.registry import Registration, SchemaVersion
-from blockagg.verifier.exceptions import OffsetsDecodeError
-from blockagg.verifier.offsets_codec import (
+from blockagg.aggregator.kafka.exceptions import OffsetsDecodeError
+from blockagg.aggregator.kafka.offsets_codec import (
     OffsetCommitKey,
     OffsetCommitValue,
     decode_record,
     encode_key,
     encode_value,
 )
+from blockagg.proto.envelope import Parsed, decode_envelope, make_envelope, parse_envelope
+from blockagg.proto.exceptions import EnvelopeDecodeError, RegistryDecodeError
+from blockagg.proto.registry import Registration, SchemaVersion
 from tests.unit.core.test_metadata import metadatas
 from tests.unit.fuzzing import mutated, run_memory_bounded
 

@@ -35,6 +35,14 @@ class AttemptFenced(MetadataCommitError):
     newer attempt replays whatever this one left unfinished."""
 
 
+class OffsetsDecodeError(KafkaAdapterError):
+    """A ``__consumer_offsets`` record's key or value is not a record Kafka writes.
+
+    The decoder raises only this error on malformed input, never an ``IndexError``,
+    ``struct.error`` or ``UnicodeDecodeError``.
+    """
+
+
 class KafkaUnreachable(KafkaAdapterError):
     """No broker of ``bootstrap.servers`` answered a metadata request in time."""
 

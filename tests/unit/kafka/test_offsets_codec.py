@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from blockagg.verifier.exceptions import OffsetsDecodeError
-from blockagg.verifier.offsets_codec import (
+from blockagg.aggregator.kafka.exceptions import OffsetsDecodeError
+from blockagg.aggregator.kafka.offsets_codec import (
     OffsetCommit,
     OffsetCommitKey,
     OffsetCommitValue,

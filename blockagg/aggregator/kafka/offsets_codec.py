@@ -27,7 +27,7 @@ Layout, from Kafka's ``group-coordinator`` message schemas (all integers big-end
 
 Guarantees: :func:`decode_record` either returns a record whose re-encoding
 (:func:`encode_key`, :func:`encode_value`) is byte-for-byte the input, or raises
-:class:`~verifier.exceptions.OffsetsDecodeError` naming the offending bytes; no other
+:class:`~.exceptions.OffsetsDecodeError` naming the offending bytes; no other
 exception escapes on any input. Overlong varints, trailing bytes, invalid UTF-8, unknown
 value versions and unsorted or duplicate tags are refused: Kafka never writes them.
 """
@@ -38,7 +38,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Final
 
-from blockagg.verifier.exceptions import OffsetsDecodeError
+from blockagg.aggregator.kafka.exceptions import OffsetsDecodeError
 
 LEGACY_OFFSET_COMMIT: Final = 0
 OFFSET_COMMIT: Final = 1
