@@ -356,6 +356,10 @@ class KafkaConfig:
     (replication factor 1, ``min.insync.replicas`` below 2 or unclean leader election,
     on a cluster of several brokers; ``kafka.durability``): each finding is a WARNING
     line instead of a refusal."""
+    heal_hanging_transactions: bool = True
+    """At start, end a hanging transaction on the metadata group's ``__consumer_offsets``
+    partition by rolling its offset commit forward (``kafka.hanging``) instead of
+    refusing to start until an operator aborts it."""
 
     @property
     def bootstrap_servers(self) -> str:
@@ -400,7 +404,8 @@ class KafkaConfig:
         return (
             f"KafkaConfig(common={_masked(self.common)!r}, spark={_masked(self.spark)!r}, "
             f"librdkafka={_masked(self.librdkafka)!r}, "
-            f"allow_unsafe_durability={self.allow_unsafe_durability})"
+            f"allow_unsafe_durability={self.allow_unsafe_durability}, "
+            f"heal_hanging_transactions={self.heal_hanging_transactions})"
         )
 
 
@@ -982,6 +987,7 @@ def from_dict(
     rdk_raw = kafka_t.data.pop("librdkafka", {}) \
         if isinstance(kafka_t.data.get("librdkafka"), dict) else {}
     allow_unsafe = kafka_t.take("allow_unsafe_durability", _bool, False)
+    heal_hanging = kafka_t.take("heal_hanging_transactions", _bool, True)
     common = _passthrough(kafka_t, _KAFKA_OWNED)
     spark_opts = _passthrough(_Table(spark_raw, "kafka.spark"), _KAFKA_OWNED)
     rdk_opts = _passthrough(_Table(rdk_raw, "kafka.librdkafka"), _KAFKA_OWNED)
@@ -999,7 +1005,7 @@ def from_dict(
             )
     for section, opts in (("kafka", common), ("kafka.librdkafka", rdk_opts)):
         _check_producer_durability(section, opts)
-    kafka = KafkaConfig(common, spark_opts, rdk_opts, allow_unsafe)
+    kafka = KafkaConfig(common, spark_opts, rdk_opts, allow_unsafe, heal_hanging)
     if not kafka.bootstrap_servers:
         raise ConfigError(
             "kafka.\"bootstrap.servers\": required, e.g. \"bootstrap.servers\" = "
@@ -1085,3 +1091,4 @@ def iter_keys() -> Iterator[str]:
             yield f"{section}.{name}"
     yield "clickhouse.password_env"
     yield "kafka.allow_unsafe_durability"
+    yield "kafka.heal_hanging_transactions"

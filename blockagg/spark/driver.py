@@ -59,9 +59,11 @@ from blockagg.aggregator.core.exceptions import MetadataDecodeError
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.core.protocol import undecodable_commit
+from blockagg.aggregator.kafka.exceptions import MetadataUnstable
 from blockagg.aggregator.kafka.hanging import read_or_diagnose
 from blockagg.spark.components import Components, DefaultComponents
 from blockagg.spark.exceptions import BatchTimedOut, JobError, StoppedBeforeBatch, refusal_in
+from blockagg.spark.heal import heal_hanging
 from blockagg.spark.idle import IdleRefresher, broker_retention_minutes, check_idle_interval
 from blockagg.spark.lock import GroupLock, check_metadata_group_idle
 from blockagg.spark.metrics import JobMetrics
@@ -327,10 +329,7 @@ class Driver:
                     f"no partition found for the configured topics "
                     f"({', '.join(t.label for t in self.config.topics)}): create them first"
                 )
-            committed = read_or_diagnose(
-                lambda: read_committed(consumer, partitions),
-                self.config.kafka.librdkafka_config(), self.config.job.metadata_group_id,
-                partitions)
+            committed = self._read_committed_or_heal(consumer, partitions)
             marks = watermarks(consumer, partitions)
         finally:
             consumer.close()
@@ -344,6 +343,39 @@ class Driver:
                     "(kafka-consumer-groups.sh --reset-offsets --to-earliest) and restart"
                 )
         return partitions, committed, marks
+
+    def _read_committed_or_heal(self, consumer: Any, partitions: list[TopicPartition]
+                                ) -> dict[TopicPartition, Committed]:
+        """The group's stable commits; if a hanging transaction refuses them, end it
+        (``spark.heal``, unless ``kafka.heal_hanging_transactions`` is off) and read
+        again. A hanging transaction that cannot be ended safely is refused as before,
+        with the runbook in its message."""
+        settings = self.config.kafka.librdkafka_config()
+        group = self.config.job.metadata_group_id
+
+        def read() -> dict[TopicPartition, Committed]:
+            return read_or_diagnose(lambda: read_committed(consumer, partitions),
+                                    settings, group, partitions)
+
+        try:
+            return read()
+        except MetadataUnstable as hang:
+            if not self.config.kafka.heal_hanging_transactions:
+                raise
+            logs.event(log, "healing a hanging transaction", level=30, group=group)
+            try:
+                plan = heal_hanging(self.config, self.spark._jvm)
+            except Exception as exc:
+                logs.event(log, "healing failed", level=40,
+                           error=f"{type(exc).__name__}: {str(exc)[:500]}")
+                raise MetadataUnstable(
+                    f"{hang} The job's attempt to end it failed: {type(exc).__name__}: "
+                    f"{str(exc)[:300]}") from None
+            if not plan.complete:
+                reasons = "; ".join(item.reason for item in plan.left if item.blocks)
+                raise MetadataUnstable(
+                    f"{hang} The job does not end it by itself: {reasons}") from None
+            return read()
 
     def recovery_ranges(self, committed: Mapping[TopicPartition, Committed]) -> tuple[
             dict[TopicPartition, PlannedRange], int]:
