@@ -112,6 +112,8 @@ BLOCKS: dict[tuple[str, str, str], str] = {
         HERE,
     ("running.md", "", "MetadataUnstable: the committed offsets of metadata group 'G' "
      "cannot be read as stable:"): OUTPUT,
+    ("running.md", "", 'WARNING blockagg.job: healing a hanging transaction group="G"'):
+        OUTPUT + " (test_hanging_heal.py asserts these lines)",
     ("running.md", "sh", "kill -TERM \"$PID\""): "test_stops.py",
     ("running.md", "sh", "pkill -TERM -f \"org.apache.spark.deploy.SparkSubmit.*--config "
      "$CONFIG\""): "test_stops.py",

@@ -123,9 +123,10 @@ def unstable_read(
         "s; one that does not is a "
         f"hanging transaction in {where}, which Kafka leaves when it completes a "
         "transaction without writing its marker (after a broker restart its log says "
-        "\"Couldn't find leader endpoint ... likely deleted\"). No client can end it; "
-        "every start and every batch of this group is refused until it is aborted. "
-        f"Find it with kafka-transactions.sh find-hanging --broker-id {leader}, and "
+        "\"Couldn't find leader endpoint ... likely deleted\"). Every batch of this "
+        "group is refused until it is ended: the job ends it itself at its next start "
+        "(kafka.heal_hanging_transactions, on by default). By hand: "
+        f"find it with kafka-transactions.sh find-hanging --broker-id {leader}, and "
         "abort it only if kafka-transactions.sh describe shows it finished as "
         "CompleteAbort: docs/running.md, 'A hanging transaction on the metadata group', "
         "has every step, and what to do if it shows CompleteCommit."
@@ -287,7 +288,8 @@ def plan_heal(
             continue
         text = value.metadata.rstrip("\x00")
         if is_blockagg(text):
-            latest[tp] = Recommit(key.topic, key.partition, value.offset, value.metadata,
+            # without librdkafka's trailing NUL, which the commit adds again
+            latest[tp] = Recommit(key.topic, key.partition, value.offset, text,
                                   txn.start_offset)
         elif text or value.offset != 0:  # neither an intent nor an attempt's probe
             left.append(Left(txn.producer_id, txn.start_offset,
