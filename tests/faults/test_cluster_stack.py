@@ -25,6 +25,7 @@ import pytest
 
 from blockagg.aggregator.config import Config, loads
 from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
+from blockagg.aggregator.kafka.startup import check_topics
 from blockagg.spark import preflight
 from scripts import stack_lib
 from tests.faults.stack import REPO_ROOT, StackControl, fault_stack_env
@@ -192,7 +193,7 @@ replicas = ["127.0.0.1:9000"]
 def start_checks(config: Config, topic: str) -> object:
     """What ``preflight.run`` does for Kafka before ClickHouse: the topics, then their
     durability."""
-    found = preflight.check_topics(config.kafka.librdkafka_config(), [topic])
+    found = check_topics(config.kafka.librdkafka_config(), [topic])
     return preflight.check_durability(config, found)
 
 
