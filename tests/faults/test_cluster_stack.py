@@ -10,12 +10,16 @@ two replicas in sync, that the node rejoins after ``scripts/stack up``, and that
 job's start-up durability check (``preflight.check_topics`` then
 ``preflight.check_durability``, the path ``preflight.run`` takes) refuses a topic of
 replication factor 1 and one with ``min.insync.replicas=1`` on it, and accepts RF 3 /
-min.insync 2 (invariants 1 and 9).
+min.insync 2 (invariants 1 and 9). The stack also runs ``--shards 2`` (the second
+shard's two ClickHouse replicas start beside the first's, costing no time): shard 02
+replicates within itself and the ``blockagg`` cluster lists both shards.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -28,7 +32,7 @@ from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
 from blockagg.aggregator.kafka.startup import check_topics
 from blockagg.spark import preflight
 from scripts import stack_lib
-from tests.faults.stack import REPO_ROOT, StackControl, fault_stack_env
+from tests.faults.stack import REPO_ROOT, STACK, StackControl, fault_stack_env
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +55,7 @@ def cluster_shift() -> int:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[StackControl]:
     base = {k: v for k, v in os.environ.items() if k not in FAULT_VARS}
-    env = fault_stack_env(base, shift=cluster_shift(), brokers=3,
+    env = fault_stack_env(base, shift=cluster_shift(), brokers=3, shards=2,
                           root=Path(os.environ.get("BLOCKAGG_CLUSTER_STACK_DIR")
                                     or REPO_ROOT / ".stack" / "cluster"))
     control = StackControl(env)
@@ -59,8 +63,10 @@ def cluster() -> Iterator[StackControl]:
         seconds = control.up()
     except RuntimeError as exc:
         pytest.fail(f"the three-broker stack did not come up: {exc}")
-    print(f"\n3-broker stack up in {seconds:.1f}s at {control.bootstrap}")
+    print(f"\n3-broker 2-shard stack up in {seconds:.1f}s at {control.bootstrap}")
     yield control
+    print("\n" + subprocess.run([sys.executable, str(STACK), "status"], env=control.env,
+                                capture_output=True, text=True, check=False).stdout)
     control.down()
 
 
@@ -214,3 +220,27 @@ def test_the_start_accepts_rf3_min_insync2_on_the_cluster(cluster: StackControl)
     result = start_checks(job_config(cluster, topic), topic)
     assert getattr(result, "brokers", None) == 3
     assert getattr(result, "accepted", False) and not getattr(result, "findings", ())
+
+
+def test_the_second_shard_replicates_within_itself_and_joins_the_cluster(
+        cluster: StackControl) -> None:
+    from clickhouse_driver import Client
+
+    first, second = cluster.cfg.shard_replicas().values()
+    clients = {r.name: Client("127.0.0.1", port=r.tcp) for r in (*first, *second)}
+    rows = clients["r1"].execute("SELECT shard_num, port FROM system.clusters "
+                                 "WHERE cluster = 'blockagg' ORDER BY shard_num, port")
+    assert rows == [(1, first[0].tcp), (1, first[1].tcp), (2, second[0].tcp),
+                    (2, second[1].tcp)]
+    db = f"cl_{uuid.uuid4().hex[:8]}"
+    for c in clients.values():
+        c.execute(f"CREATE DATABASE {db}")
+        c.execute(f"CREATE TABLE {db}.t (x UInt64) ENGINE = ReplicatedMergeTree("
+                  f"'/clickhouse/tables/{{shard}}/{db}/t', '{{replica}}') ORDER BY x")
+    clients["r3"].execute(f"INSERT INTO {db}.t VALUES", [(i,) for i in range(10)])
+    clients["r4"].execute(f"SYSTEM SYNC REPLICA {db}.t")
+    counts = {n: c.execute(f"SELECT count() FROM {db}.t")[0][0] for n, c in clients.items()}
+    assert counts == {"r1": 0, "r2": 0, "r3": 10, "r4": 10}
+    for c in clients.values():
+        c.execute(f"DROP DATABASE {db}")
+        c.disconnect()
