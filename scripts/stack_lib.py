@@ -1,4 +1,5 @@
-"""The local stack behind ``scripts/stack``: Kafka (KRaft), ZooKeeper, two ClickHouse replicas.
+"""The local stack behind ``scripts/stack``: Kafka (KRaft), ZooKeeper, two ClickHouse replicas
+(``up --brokers 3``: a three-node Kafka cluster; ``--shards 2``: a second shard of two replicas).
 
 Everything lives under the repository's ignored ``.stack/`` folder (or ``$BLOCKAGG_STACK_DIR``):
 generated configs, data dirs, logs, pid files, the Maven local repository and the resolved jars.
@@ -1429,7 +1430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "State in .stack/.",
         epilog="Ports (env override, default): "
         + ", ".join(f"{var}={default}" for var, default in PORT_DEFAULTS.values())
-        + ". Also BLOCKAGG_STACK_DIR, BLOCKAGG_KAFKA_VERSION, BLOCKAGG_SPARK_VERSION.",
+        + ". Also BLOCKAGG_STACK_DIR, BLOCKAGG_KAFKA_VERSION, BLOCKAGG_SPARK_VERSION, "
+        f"{BROKERS_VAR}, {SHARDS_VAR} (docs/stack.md).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("install", help="install Debian packages, resolve jars (up does it if needed)")
