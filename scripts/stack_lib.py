@@ -1,4 +1,5 @@
-"""The local stack behind ``scripts/stack``: Kafka (KRaft), ZooKeeper, two ClickHouse replicas.
+"""The local stack behind ``scripts/stack``: Kafka (KRaft), ZooKeeper, two ClickHouse replicas
+(``up --brokers 3``: a three-node Kafka cluster; ``--shards 2``: a second shard of two replicas).
 
 Everything lives under the repository's ignored ``.stack/`` folder (or ``$BLOCKAGG_STACK_DIR``):
 generated configs, data dirs, logs, pid files, the Maven local repository and the resolved jars.
@@ -73,6 +74,24 @@ PORT_DEFAULTS: dict[str, tuple[str, int]] = {
 
 SERVICES = ("zookeeper", "clickhouse-r1", "clickhouse-r2", "kafka")
 
+# The topology (`up --brokers N --shards N`): remembered in the stack dir's TOPOLOGY_FILE
+# at `up`, so `status`, `down`, `env` and a later `up` act on the same processes.
+# BLOCKAGG_STACK_BROKERS / BLOCKAGG_STACK_SHARDS override it (the fault suite's cluster
+# stack sets them); a flag of `up` overrides both.
+BROKER_COUNTS = (1, 3)
+SHARD_COUNTS = (1, 2)
+BROKERS_VAR = "BLOCKAGG_STACK_BROKERS"
+SHARDS_VAR = "BLOCKAGG_STACK_SHARDS"
+TOPOLOGY_FILE = "topology"
+CLUSTER_ID_FILE = "kafka-cluster-id"
+# Broker n (node id n) listens on BLOCKAGG_KAFKA_PORT + BROKER_PORT_STEP * (n - 1) and
+# its controller on BLOCKAGG_KAFKA_CONTROLLER_PORT + the same: 19092/19093, 19094/19095,
+# 19096/19097 by default (the step of 2 keeps a broker's port off the next controller's).
+BROKER_PORT_STEP = 2
+KAFKA_CLUSTER_HEAP = ["-Xms128m", "-Xmx384m"]  # per broker of a cluster (docs/stack.md)
+# Shard 02's replicas r3/r4 use shard 01's r1/r2 ports + SHARD_PORT_STEP (19200, 19300, ...).
+SHARD_PORT_STEP = 200
+
 
 class StackError(RuntimeError):
     """A failure the user must act on; the message says what and where to look."""
@@ -121,11 +140,52 @@ class Ports:
 
 @dataclasses.dataclass(frozen=True)
 class Replica:
-    name: str  # r1 / r2
+    name: str  # r1 / r2 (shard 01), r3 / r4 (shard 02)
     tcp: int
     http: int
     interserver: int
     tcp_secure: int  # the native protocol over TLS (certificate: StackConfig.tls_dir)
+    shard: str = SHARD
+
+
+@dataclasses.dataclass(frozen=True)
+class Broker:
+    """One Kafka node (combined broker + controller) of the stack."""
+
+    node_id: int
+    port: int
+    controller_port: int
+
+    @property
+    def service(self) -> str:
+        """Broker 1 keeps the single-broker stack's name and folder (``kafka``)."""
+        return "kafka" if self.node_id == 1 else f"kafka-{self.node_id}"
+
+
+def _count(raw: str, allowed: tuple[int, ...], what: str) -> int:
+    if not raw.strip().isdigit() or int(raw) not in allowed:
+        raise StackError(f"{what}={raw!r}: the stack runs "
+                         f"{' or '.join(str(a) for a in allowed)}")
+    return int(raw)
+
+
+def read_topology(root: Path, env: Mapping[str, str]) -> tuple[int, int]:
+    """(brokers, shards): the environment's override, else what ``up`` remembered in
+    ``root``, else (1, 1)."""
+    remembered: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in (root / TOPOLOGY_FILE).read_text().splitlines():
+            key, sep, value = line.partition("=")
+            if sep:
+                remembered[key.strip()] = value.strip()
+    brokers = env.get(BROKERS_VAR) or remembered.get("brokers") or "1"
+    shards = env.get(SHARDS_VAR) or remembered.get("shards") or "1"
+    return (_count(brokers, BROKER_COUNTS, f"brokers ({BROKERS_VAR} or {root / TOPOLOGY_FILE})"),
+            _count(shards, SHARD_COUNTS, f"shards ({SHARDS_VAR} or {root / TOPOLOGY_FILE})"))
+
+
+def render_topology(brokers: int, shards: int) -> str:
+    return f"# written by scripts/stack up\nbrokers={brokers}\nshards={shards}\n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,26 +197,81 @@ class StackConfig:
     # How long ZooKeeper keeps a killed ClickHouse's session: a restarted replica
     # cannot rejoin replication (and quorum inserts wait) until that session expires.
     ch_zk_session_timeout_ms: int = 30_000
+    brokers: int = 1  # Kafka nodes: 1 or 3
+    shards: int = 1  # ClickHouse shards of two replicas: 1 or 2
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StackConfig:
         env = os.environ if env is None else env
         root = Path(env.get("BLOCKAGG_STACK_DIR") or REPO_ROOT / ".stack").resolve()
-        return cls(
+        brokers, shards = read_topology(root, env)
+        cfg = cls(
             root=root,
             ports=Ports.from_env(env),
             kafka_version=env.get("BLOCKAGG_KAFKA_VERSION") or DEFAULT_KAFKA_VERSION,
             spark_version=env.get("BLOCKAGG_SPARK_VERSION") or installed_pyspark_version(),
             ch_zk_session_timeout_ms=_zk_session_timeout_ms(env),
+            brokers=brokers,
+            shards=shards,
         )
+        cfg.check_ports()
+        return cfg
+
+    def with_topology(self, brokers: int | None, shards: int | None) -> StackConfig:
+        cfg = dataclasses.replace(self, brokers=brokers or self.brokers,
+                                  shards=shards or self.shards)
+        cfg.check_ports()
+        return cfg
+
+    def check_ports(self) -> None:
+        """The derived ports (brokers 2-3, shard 02) collide with no other port."""
+        seen: dict[int, str] = {}
+        named = [(f"{b.service} broker", b.port) for b in self.kafka_brokers]
+        named += [(f"{b.service} controller", b.controller_port) for b in self.kafka_brokers]
+        named += [(f"clickhouse-{r.name} {k}", v) for r in self.replicas
+                  for k, v in (("tcp", r.tcp), ("http", r.http),
+                               ("interserver", r.interserver), ("tcp_secure", r.tcp_secure))]
+        named.append(("zookeeper", self.ports.zk))
+        for name, port in named:
+            if not 0 < port < 65536:
+                raise StackError(f"{name}: derived port {port} is not a TCP port; lower the "
+                                 "BLOCKAGG_*_PORT it is derived from (docs/stack.md#ports)")
+            if port in seen:
+                raise StackError(f"port {port} is used twice ({seen[port]} and {name}); "
+                                 "move one with its BLOCKAGG_*_PORT (docs/stack.md#ports)")
+            seen[port] = name
 
     @property
-    def replicas(self) -> tuple[Replica, Replica]:
+    def kafka_brokers(self) -> tuple[Broker, ...]:
         p = self.ports
-        return (
+        return tuple(Broker(n, p.kafka + BROKER_PORT_STEP * (n - 1),
+                            p.kafka_controller + BROKER_PORT_STEP * (n - 1))
+                     for n in range(1, self.brokers + 1))
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(f"{HOST}:{b.port}" for b in self.kafka_brokers)
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        p = self.ports
+        first = (
             Replica("r1", p.ch1_tcp, p.ch1_http, p.ch1_interserver, p.ch1_tcp_secure),
             Replica("r2", p.ch2_tcp, p.ch2_http, p.ch2_interserver, p.ch2_tcp_secure),
         )
+        if self.shards == 1:
+            return first
+        step = SHARD_PORT_STEP
+        return first + tuple(
+            Replica(f"r{i + 3}", r.tcp + step, r.http + step, r.interserver + step,
+                    r.tcp_secure + step, shard="02")
+            for i, r in enumerate(first))
+
+    def shard_replicas(self) -> dict[str, tuple[Replica, ...]]:
+        out: dict[str, tuple[Replica, ...]] = {}
+        for r in self.replicas:
+            out[r.shard] = (*out.get(r.shard, ()), r)
+        return out
 
     def service_dir(self, service: str) -> Path:
         return self.root / service
@@ -226,7 +341,12 @@ def kafka_cluster_id() -> str:
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
-def render_kafka_properties(cfg: StackConfig) -> str:
+def render_kafka_properties(cfg: StackConfig, broker: Broker | None = None) -> str:
+    """``server.properties`` of ``broker`` (default: node 1). A single-broker stack keeps
+    replication factors 1; a cluster gets Kafka's production durability settings (RF 3,
+    min.insync.replicas 2, no unclean election), which blockagg's start-up check wants."""
+    if cfg.brokers > 1:
+        return render_cluster_kafka_properties(cfg, broker or cfg.kafka_brokers[0])
     p = cfg.ports
     data = cfg.service_dir("kafka") / "data"
     lines = [
@@ -259,6 +379,47 @@ def render_kafka_properties(cfg: StackConfig) -> str:
         "log.segment.bytes=67108864",
         "num.network.threads=2",
         "num.io.threads=4",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def render_cluster_kafka_properties(cfg: StackConfig, broker: Broker) -> str:
+    data = cfg.service_dir(broker.service) / "data"
+    voters = ",".join(f"{b.node_id}@{HOST}:{b.controller_port}" for b in cfg.kafka_brokers)
+    n = len(cfg.kafka_brokers)
+    lines = [
+        f"# generated by scripts/stack: Kafka KRaft combined mode, node {broker.node_id} of "
+        f"{n}, loopback",
+        "process.roles=broker,controller",
+        f"node.id={broker.node_id}",
+        f"controller.quorum.voters={voters}",
+        f"listeners=PLAINTEXT://{HOST}:{broker.port},CONTROLLER://{HOST}:{broker.controller_port}",
+        f"advertised.listeners=PLAINTEXT://{HOST}:{broker.port}",
+        "controller.listener.names=CONTROLLER",
+        "inter.broker.listener.name=PLAINTEXT",
+        "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        f"log.dirs={data}",
+        "num.partitions=1",
+        "auto.create.topics.enable=true",
+        "offset.metadata.max.bytes=4096",
+        "offsets.topic.num.partitions=3",
+        # what docs/running.md#production-kafka asks of a production cluster
+        "default.replication.factor=3",
+        "min.insync.replicas=2",
+        "unclean.leader.election.enable=false",
+        "offsets.topic.replication.factor=3",
+        "transaction.state.log.replication.factor=3",
+        "transaction.state.log.min.isr=2",
+        "share.coordinator.state.topic.replication.factor=3",
+        "share.coordinator.state.topic.min.isr=2",
+        "group.initial.rebalance.delay.ms=0",
+        "broker.session.timeout.ms=4000",
+        "broker.heartbeat.interval.ms=1000",
+        "log.retention.hours=168",
+        "log.segment.bytes=67108864",
+        "num.network.threads=2",
+        "num.io.threads=2",
         "",
     ]
     return "\n".join(lines)
@@ -348,12 +509,17 @@ def make_tls_certificates(folder: Path) -> None:
 def render_clickhouse_config(cfg: StackConfig, replica: Replica) -> str:
     d = cfg.service_dir(f"clickhouse-{replica.name}")
     data = d / "data"
-    remote = "\n".join(
-        f"""                <replica><host>{HOST}</host><port>{r.tcp}</port></replica>"""
-        for r in cfg.replicas
+    shards = "\n".join(
+        "            <shard>\n"
+        "                <internal_replication>true</internal_replication>\n"
+        + "\n".join(
+            f"""                <replica><host>{HOST}</host><port>{r.tcp}</port></replica>"""
+            for r in replicas)
+        + "\n            </shard>"
+        for replicas in cfg.shard_replicas().values()
     )
     return f"""<?xml version="1.0"?>
-<!-- generated by scripts/stack: ClickHouse replica {replica.name} of shard {SHARD} -->
+<!-- generated by scripts/stack: ClickHouse replica {replica.name} of shard {replica.shard} -->
 <yandex>
     <logger>
         <level>information</level>
@@ -401,16 +567,13 @@ def render_clickhouse_config(cfg: StackConfig, replica: Replica) -> str:
         <session_timeout_ms>{cfg.ch_zk_session_timeout_ms}</session_timeout_ms>
     </zookeeper>
     <macros>
-        <shard>{SHARD}</shard>
+        <shard>{replica.shard}</shard>
         <replica>{replica.name}</replica>
         <cluster>{CLUSTER_NAME}</cluster>
     </macros>
     <remote_servers>
         <{CLUSTER_NAME}>
-            <shard>
-                <internal_replication>true</internal_replication>
-{remote}
-            </shard>
+{shards}
         </{CLUSTER_NAME}>
     </remote_servers>
     <distributed_ddl>
@@ -515,7 +678,7 @@ def kafka_tool_command(cfg: StackConfig, tool: str, args: Sequence[str]) -> list
     if Path(SLF4J_SIMPLE_JAR).exists():
         cp += f":{SLF4J_SIMPLE_JAR}"
     bootstrap = [] if any(a == "--bootstrap-server" or a.startswith("--bootstrap-server=")
-                          for a in args) else ["--bootstrap-server", f"{HOST}:{cfg.ports.kafka}"]
+                          for a in args) else ["--bootstrap-server", cfg.bootstrap_servers]
     return [
         java(),
         "-Xmx256m",
@@ -557,7 +720,7 @@ def env_values(cfg: StackConfig, spark_jars: Sequence[Path]) -> dict[str, str]:
     p = cfg.ports
     values = {
         "BLOCKAGG_STACK_DIR": str(cfg.root),
-        "BLOCKAGG_BOOTSTRAP_SERVERS": f"{HOST}:{p.kafka}",
+        "BLOCKAGG_BOOTSTRAP_SERVERS": cfg.bootstrap_servers,
         "BLOCKAGG_KAFKA_VERSION": cfg.kafka_version,
         "BLOCKAGG_ZK": f"{HOST}:{p.zk}",
         "BLOCKAGG_CH_HOST": HOST,
@@ -569,6 +732,14 @@ def env_values(cfg: StackConfig, spark_jars: Sequence[Path]) -> dict[str, str]:
         "BLOCKAGG_SPARK_VERSION": cfg.spark_version or "",
         "BLOCKAGG_SPARK_JARS": ",".join(str(j) for j in spark_jars),
     }
+    if cfg.brokers > 1 or cfg.shards > 1:
+        values[BROKERS_VAR] = str(cfg.brokers)
+        values[SHARDS_VAR] = str(cfg.shards)
+    if cfg.shards > 1:
+        # shard 02's replicas (BLOCKAGG_CH_PORTS & co. stay shard 01's)
+        shard2 = cfg.shard_replicas()["02"]
+        values["BLOCKAGG_CH_SHARD2_PORTS"] = ",".join(str(r.tcp) for r in shard2)
+        values["BLOCKAGG_CH_SHARD2_HTTP_PORTS"] = ",".join(str(r.http) for r in shard2)
     return values
 
 
@@ -801,6 +972,13 @@ class Service:
             parts.append(f"--- tail of {log} ---\n{tail(log)}")
         return "\n".join(parts)
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting (``stop`` waits)."""
+        pid = self.pid()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
     def stop(self, timeout: float = 20.0) -> bool:
         pid = self.pid()
         if pid is None:
@@ -830,7 +1008,6 @@ def java() -> str:
 def build_services(cfg: StackConfig) -> dict[str, Service]:
     p = cfg.ports
     zk_dir = cfg.service_dir("zookeeper")
-    kafka_dir = cfg.service_dir("kafka")
 
     def zk_prepare() -> None:
         (zk_dir / "data").mkdir(parents=True, exist_ok=True)
@@ -850,16 +1027,28 @@ def build_services(cfg: StackConfig) -> dict[str, Service]:
             str(zk_dir / "zoo.cfg"),
         ]
 
-    def kafka_prepare() -> None:
+    def kafka_cluster_id_for() -> str:
+        """One random id per stack; a cluster's nodes are formatted with the same one,
+        kept in CLUSTER_ID_FILE so a wiped or added node joins the same cluster."""
+        if cfg.brokers == 1:
+            return kafka_cluster_id()
+        path = cfg.root / CLUSTER_ID_FILE
+        if not path.exists():
+            cfg.root.mkdir(parents=True, exist_ok=True)
+            path.write_text(kafka_cluster_id() + "\n")
+        return path.read_text().strip()
+
+    def kafka_prepare(b: Broker) -> None:
+        kafka_dir = cfg.service_dir(b.service)
         kafka_dir.mkdir(parents=True, exist_ok=True)
-        (kafka_dir / "server.properties").write_text(render_kafka_properties(cfg))
+        (kafka_dir / "server.properties").write_text(render_kafka_properties(cfg, b))
         (kafka_dir / "log4j2.properties").write_text(KAFKA_LOG4J2)
         if not (kafka_dir / "data" / "meta.properties").exists():
             cmd = [
-                *kafka_java(),
+                *kafka_java(b),
                 "kafka.tools.StorageTool",
                 "format",
-                f"--cluster-id={kafka_cluster_id()}",  # an id may start with "-"
+                f"--cluster-id={kafka_cluster_id_for()}",  # an id may start with "-"
                 "--config",
                 str(kafka_dir / "server.properties"),
                 "--ignore-formatted",
@@ -870,15 +1059,17 @@ def build_services(cfg: StackConfig) -> dict[str, Service]:
                     f"kafka storage format failed ({shlex.join(cmd)}):\n{res.stdout}\n{res.stderr}"
                 )
 
-    def kafka_java() -> list[str]:
+    def kafka_java(b: Broker) -> list[str]:
+        kafka_dir = cfg.service_dir(b.service)
+        # A cluster's three JVMs share the machine: a smaller heap each.
+        heap = ["-Xms256m", "-Xmx512m"] if cfg.brokers == 1 else KAFKA_CLUSTER_HEAP
         return [
             java(),
-            "-Xms256m",
-            "-Xmx512m",
+            *heap,
             "-XX:+UseG1GC",
             "-XX:MaxGCPauseMillis=20",
             "-Djava.awt.headless=true",
-            "-Dblockagg.stack=kafka",
+            f"-Dblockagg.stack={b.service}",
             f"-Dlog4j2.configurationFile={kafka_dir / 'log4j2.properties'}",
             f"-Dkafka.logs.dir={kafka_dir / 'logs'}",
             "-cp",
@@ -923,17 +1114,20 @@ def build_services(cfg: StackConfig) -> dict[str, Service]:
             prepare=ch_prepare,
             startup_timeout=90,
         )
-    services["kafka"] = Service(
-        name="kafka",
-        ports={"broker": p.kafka, "controller": p.kafka_controller},
-        workdir=kafka_dir,
-        command=lambda: [*kafka_java(), "kafka.Kafka", str(kafka_dir / "server.properties")],
-        probe=lambda: probe_kafka(p.kafka),
-        marker=str(kafka_dir / "server.properties"),
-        logs=[],
-        prepare=kafka_prepare,
-        startup_timeout=120,
-    )
+    for b in cfg.kafka_brokers:
+        kafka_dir = cfg.service_dir(b.service)
+        services[b.service] = Service(
+            name=b.service,
+            ports={"broker": b.port, "controller": b.controller_port},
+            workdir=kafka_dir,
+            command=lambda b=b, d=kafka_dir: [  # type: ignore[misc]
+                *kafka_java(b), "kafka.Kafka", str(d / "server.properties")],
+            probe=lambda b=b: probe_kafka(b.port),  # type: ignore[misc]
+            marker=str(kafka_dir / "server.properties"),
+            logs=[],
+            prepare=lambda b=b: kafka_prepare(b),  # type: ignore[misc]
+            startup_timeout=120,
+        )
     return services
 
 
@@ -1104,8 +1298,23 @@ def port_in_use(port: int) -> bool:
 UNANSWERED_GRACE = 30.0
 
 
+def check_topology_change(cfg: StackConfig) -> None:
+    """Refuse to turn a formatted single-broker stack into a cluster or back: a KRaft
+    node's metadata log names its voters, so the other count would not start."""
+    remembered, _ = read_topology(cfg.root, {})
+    formatted = (cfg.service_dir("kafka") / "data" / "meta.properties").exists()
+    if formatted and remembered != cfg.brokers:
+        raise StackError(
+            f"the stack in {cfg.root} holds a Kafka of {remembered} broker(s), not "
+            f"{cfg.brokers}; `scripts/stack down --wipe` first, or use another "
+            "BLOCKAGG_STACK_DIR (and ports)")
+
+
 def cmd_up(cfg: StackConfig) -> int:
     t0 = time.monotonic()
+    check_topology_change(cfg)
+    cfg.root.mkdir(parents=True, exist_ok=True)
+    (cfg.root / TOPOLOGY_FILE).write_text(render_topology(cfg.brokers, cfg.shards))
     services = build_services(cfg)
     if all(s.is_up() for s in services.values()):
         log(f"already up ({time.monotonic() - t0:.1f}s)")
@@ -1138,15 +1347,17 @@ def cmd_up(cfg: StackConfig) -> int:
             s.wait_up()
             log(f"{s.name} is up ({time.monotonic() - t0:.1f}s)")
 
-    # Kafka is independent: start it first so its JVM warms up while ZK and ClickHouse start.
-    if "kafka" in names:
-        log(f"starting kafka on {services['kafka'].ports}")
-        services["kafka"].start()
+    # Kafka is independent: start it first so its JVM warms up while ZK and ClickHouse start
+    # (a cluster's nodes all at once: none answers before a quorum of controllers runs).
+    kafkas = [b.service for b in cfg.kafka_brokers if b.service in names]
+    for name in kafkas:
+        log(f"starting {name} on {services[name].ports}")
+        services[name].start()
     start_and_wait(["zookeeper"])
-    start_and_wait(["clickhouse-r1", "clickhouse-r2"])
-    if "kafka" in names:
-        services["kafka"].wait_up()
-        log(f"kafka is up ({time.monotonic() - t0:.1f}s)")
+    start_and_wait([f"clickhouse-{r.name}" for r in cfg.replicas])
+    for name in kafkas:
+        services[name].wait_up()
+        log(f"{name} is up ({time.monotonic() - t0:.1f}s)")
     log(
         f'stack up in {time.monotonic() - t0:.1f}s; `eval "$(scripts/stack env)"` for its addresses'
     )
@@ -1155,8 +1366,15 @@ def cmd_up(cfg: StackConfig) -> int:
 
 def cmd_down(cfg: StackConfig, wipe: bool) -> int:
     services = build_services(cfg)
+    # A cluster's nodes are told together: stopped one by one, the last ones lose their
+    # controller quorum and wait out the stop timeout in their controlled shutdown.
+    for b in cfg.kafka_brokers[1:]:
+        services[b.service].terminate()
+    if cfg.brokers > 1:
+        services["kafka"].terminate()
     # Kafka and ClickHouse first, ZooKeeper last (ClickHouse wants it while shutting down).
-    for name in ("kafka", "clickhouse-r1", "clickhouse-r2", "zookeeper"):
+    for name in [*(b.service for b in cfg.kafka_brokers),
+                 *(f"clickhouse-{r.name}" for r in cfg.replicas), "zookeeper"]:
         s = services[name]
         if s.stop():
             log(f"stopped {name}")
@@ -1166,6 +1384,7 @@ def cmd_down(cfg: StackConfig, wipe: bool) -> int:
         for s in services.values():
             if s.workdir.exists():
                 shutil.rmtree(s.workdir)
+        (cfg.root / CLUSTER_ID_FILE).unlink(missing_ok=True)
         log(f"wiped service data under {cfg.root} (installed jars kept)")
     return 0
 
@@ -1206,15 +1425,22 @@ def cmd_kafka_tool(cfg: StackConfig, tool: str, args: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="scripts/stack",
-        description="Local blockagg stack on 127.0.0.1: Kafka (KRaft), ZooKeeper, two ClickHouse "
-        "replicas, Spark Kafka connector jars. State in .stack/.",
+        description="Local blockagg stack on 127.0.0.1: Kafka (KRaft; 1 or 3 brokers), ZooKeeper, "
+        "two ClickHouse replicas per shard (1 or 2 shards), Spark Kafka connector jars. "
+        "State in .stack/.",
         epilog="Ports (env override, default): "
         + ", ".join(f"{var}={default}" for var, default in PORT_DEFAULTS.values())
-        + ". Also BLOCKAGG_STACK_DIR, BLOCKAGG_KAFKA_VERSION, BLOCKAGG_SPARK_VERSION.",
+        + ". Also BLOCKAGG_STACK_DIR, BLOCKAGG_KAFKA_VERSION, BLOCKAGG_SPARK_VERSION, "
+        f"{BROKERS_VAR}, {SHARDS_VAR} (docs/stack.md).",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("install", help="install Debian packages, resolve jars (up does it if needed)")
-    sub.add_parser("up", help="start whatever is not running and wait until it answers")
+    up = sub.add_parser("up", help="start whatever is not running and wait until it answers")
+    up.add_argument("--brokers", type=int, choices=BROKER_COUNTS,
+                    help="Kafka nodes (KRaft, broker+controller each); remembered in the "
+                    "stack dir (default: as remembered, else 1)")
+    up.add_argument("--shards", type=int, choices=SHARD_COUNTS,
+                    help="ClickHouse shards of two replicas; remembered likewise")
     down = sub.add_parser("down", help="stop the processes up started")
     down.add_argument("--wipe", action="store_true", help="also delete their data and logs")
     sub.add_parser("status", help="per service: up/down and port; non-zero if anything is down")
@@ -1237,7 +1463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             install(cfg)
             return 0
         if args.command == "up":
-            return cmd_up(cfg)
+            return cmd_up(cfg.with_topology(args.brokers, args.shards))
         if args.command == "down":
             return cmd_down(cfg, args.wipe)
         if args.command == "status":

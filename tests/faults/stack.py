@@ -13,6 +13,13 @@ shares the installed jars with the default stack through symlinks.
 * :meth:`StackControl.paused` SIGSTOPs a service for a while (then SIGCONTs it, even
   on error): its sockets stay open but nothing answers, so clients time out; for
   ZooKeeper this makes the ClickHouse replicas lose their sessions and refuse inserts.
+
+The same stack runs as a Kafka cluster (``fault_stack_env(brokers=3)``: three KRaft
+nodes, RF 3, min.insync.replicas 2; see docs/stack.md): :meth:`StackControl.kill9_broker`
+and :meth:`StackControl.restart_broker` address one node by its id, and
+:meth:`StackControl.leader`, :meth:`StackControl.group_coordinator` and
+:meth:`StackControl.transaction_coordinator` ask the cluster's own metadata which node
+leads a partition, so a fault can kill the node that matters.
 """
 
 from __future__ import annotations
@@ -40,11 +47,16 @@ FAULT_PORT_SHIFT = 2000
 
 
 def fault_stack_env(base: Mapping[str, str] | None = None, shift: int = FAULT_PORT_SHIFT,
-                    root: Path | None = None) -> dict[str, str]:
+                    root: Path | None = None, brokers: int = 1, shards: int = 1
+                    ) -> dict[str, str]:
     """The environment of the fault suite's private stack: every ``BLOCKAGG_*_PORT``
     at its default + ``shift`` and ``BLOCKAGG_STACK_DIR`` under ``.stack/faults``
-    (``BLOCKAGG_FAULT_STACK_DIR`` / ``BLOCKAGG_FAULT_PORT_SHIFT`` override)."""
+    (``BLOCKAGG_FAULT_STACK_DIR`` / ``BLOCKAGG_FAULT_PORT_SHIFT`` override); ``brokers``
+    Kafka nodes and ``shards`` ClickHouse shards (``scripts/stack up --brokers/--shards``),
+    always explicit so a cluster's exported variables in the caller's shell don't leak in."""
     env = dict(os.environ if base is None else base)
+    env[stack_lib.BROKERS_VAR] = str(brokers)
+    env[stack_lib.SHARDS_VAR] = str(shards)
     shift = int(env.get("BLOCKAGG_FAULT_PORT_SHIFT", shift))
     folder = Path(env.get("BLOCKAGG_FAULT_STACK_DIR") or root or REPO_ROOT / ".stack" / "faults")
     env["BLOCKAGG_STACK_DIR"] = str(folder)
@@ -57,7 +69,11 @@ def link_installed_jars(env: Mapping[str, str]) -> None:
     """Let a private stack dir reuse the default stack's resolved jars (no Maven run)."""
     folder = Path(env["BLOCKAGG_STACK_DIR"])
     folder.mkdir(parents=True, exist_ok=True)
+    # the checkout's own stack, else the one this process was pointed at (a worktree
+    # working against another checkout's stack)
     shared = REPO_ROOT / ".stack"
+    if not (shared / "kafka-lib").is_dir() and os.environ.get("BLOCKAGG_STACK_DIR"):
+        shared = Path(os.environ["BLOCKAGG_STACK_DIR"])
     for name in ("kafka-lib", "spark-jars"):
         link = folder / name
         if not link.exists() and (shared / name).is_dir() and folder != shared:
@@ -77,7 +93,54 @@ class StackControl:
 
     @property
     def bootstrap(self) -> str:
-        return f"{stack_lib.HOST}:{self.cfg.ports.kafka}"
+        """Every broker's address (``bootstrap.servers``)."""
+        return self.cfg.bootstrap_servers
+
+    @property
+    def broker_ids(self) -> tuple[int, ...]:
+        return tuple(b.node_id for b in self.cfg.kafka_brokers)
+
+    def broker_service(self, node_id: int) -> str:
+        """The service name of Kafka node ``node_id`` (``kafka``, ``kafka-2``, ...)."""
+        for b in self.cfg.kafka_brokers:
+            if b.node_id == node_id:
+                return b.service
+        raise KeyError(f"no Kafka node {node_id} in this stack (nodes {self.broker_ids})")
+
+    def leader(self, topic: str, partition: int, timeout: float = 10.0) -> int:
+        """The node id leading ``topic``'s ``partition``, from the cluster's metadata
+        (-1 while it has none, e.g. right after its leader died)."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        meta = admin.list_topics(topic, timeout=timeout)
+        t = meta.topics[topic]
+        if t.error is not None:
+            raise RuntimeError(f"topic {topic}: {t.error}")
+        return int(t.partitions[partition].leader)
+
+    def _coordinator(self, internal: str, key: str, timeout: float) -> int:
+        from confluent_kafka.admin import AdminClient
+
+        from blockagg.aggregator.kafka.hanging import offsets_partition
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        t = admin.list_topics(internal, timeout=timeout).topics[internal]
+        if t.error is not None or not t.partitions:
+            raise RuntimeError(f"{internal} does not exist yet ({t.error}); "
+                               "a first commit or transaction creates it")
+        # Kafka places a group or a transactional id with the same hash (Utils.abs of
+        # Java's String.hashCode) modulo the internal topic's partition count.
+        return self.leader(internal, offsets_partition(key, len(t.partitions)), timeout)
+
+    def group_coordinator(self, group: str, timeout: float = 10.0) -> int:
+        """The node coordinating ``group``: leader of its ``__consumer_offsets`` partition."""
+        return self._coordinator("__consumer_offsets", group, timeout)
+
+    def transaction_coordinator(self, transactional_id: str, timeout: float = 10.0) -> int:
+        """The node coordinating ``transactional_id``: leader of its
+        ``__transaction_state`` partition."""
+        return self._coordinator("__transaction_state", transactional_id, timeout)
 
     @property
     def ch_ports(self) -> tuple[int, int]:
@@ -200,6 +263,14 @@ class StackControl:
             time.sleep(0.05)
         return pid
 
+    def kill9_broker(self, node_id: int, timeout: float = 30.0) -> int:
+        """SIGKILL Kafka node ``node_id`` alone; returns the pid it had."""
+        return self.kill9(self.broker_service(node_id), timeout)
+
+    def restart_broker(self, node_id: int) -> float:
+        """kill -9 of node ``node_id`` then ``scripts/stack up``: seconds until it answers."""
+        return self.restart(self.broker_service(node_id))
+
     def restart(self, service: str) -> float:
         """kill -9 then ``scripts/stack up``: seconds until the service answers again."""
         self.kill9(service)
@@ -252,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="kill -9 / restart timings of the fault stack")
     ap.add_argument("command", choices=["restart-times", "up", "down", "env"])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--brokers", type=int, choices=stack_lib.BROKER_COUNTS, default=1)
+    ap.add_argument("--shards", type=int, choices=stack_lib.SHARD_COUNTS, default=1)
     args = ap.parse_args(argv)
-    control = StackControl(fault_stack_env())
+    control = StackControl(fault_stack_env(brokers=args.brokers, shards=args.shards))
     if args.command == "up":
         control.up()
     elif args.command == "down":
@@ -263,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"export {key}={value}")
     else:
         control.up()
-        print(json.dumps(restart_times(control, SERVICES, args.repeat)))
+        print(json.dumps(restart_times(control, tuple(control.services), args.repeat)))
     return 0
 
 

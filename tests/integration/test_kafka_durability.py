@@ -1,8 +1,8 @@
 """The durability start-up check against the real single-broker stack: a development
 stack is accepted with one INFO line, in well under the start-up checks' budget. (The
-refusal of a cluster of three brokers at Kafka's defaults needs a 3-broker stack, issue
-27 item 1; ``tests/unit/core/test_kafka_durability.py`` covers it with the describe
-outputs of one.)"""
+refusals on a cluster of three brokers run against ``scripts/stack up --brokers 3`` in
+``tests/faults/test_cluster_stack.py``; ``tests/unit/core/test_kafka_durability.py``
+covers the rule with the describe outputs of one.)"""
 
 from __future__ import annotations
 

@@ -1,0 +1,246 @@
+"""The stack as a Kafka cluster (``scripts/stack up --brokers 3``; issue 27 items 1 and 5).
+
+One private three-node KRaft stack for the module (its own ``BLOCKAGG_STACK_DIR`` under
+``.stack/cluster`` and ports at default + ``BLOCKAGG_CLUSTER_PORT_SHIFT``, 4000 unless
+taken: ``.ci/run`` gives the default stack 0/1000/5000/7000 and the fault suite
+2000/3000/6000/8000). It shows that the three nodes form one cluster with Kafka's
+production durability settings, that a kill -9 of one node (the leader of the partition
+written) leaves a transactional produce + offset commit working with ``acks=all`` and
+two replicas in sync, that the node rejoins after ``scripts/stack up``, and that the
+job's start-up durability check (``preflight.check_topics`` then
+``preflight.check_durability``, the path ``preflight.run`` takes) refuses a topic of
+replication factor 1 and one with ``min.insync.replicas=1`` on it, and accepts RF 3 /
+min.insync 2 (invariants 1 and 9). The stack also runs ``--shards 2`` (the second
+shard's two ClickHouse replicas start beside the first's, costing no time): shard 02
+replicates within itself and the ``blockagg`` cluster lists both shards.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from blockagg.aggregator.config import Config, loads
+from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
+from blockagg.aggregator.kafka.startup import check_topics
+from blockagg.spark import preflight
+from scripts import stack_lib
+from tests.faults.stack import REPO_ROOT, STACK, StackControl, fault_stack_env
+
+pytestmark = pytest.mark.integration
+
+SHIFTS = (4000, 9000)
+FAULT_VARS = ("BLOCKAGG_FAULT_PORT_SHIFT", "BLOCKAGG_FAULT_STACK_DIR")
+
+
+def cluster_shift() -> int:
+    if os.environ.get("BLOCKAGG_CLUSTER_PORT_SHIFT"):
+        return int(os.environ["BLOCKAGG_CLUSTER_PORT_SHIFT"])
+    for shift in SHIFTS:
+        ports = [d + shift for _, d in stack_lib.PORT_DEFAULTS.values()]
+        ports += [stack_lib.PORT_DEFAULTS["kafka"][1] + shift + step for step in (2, 3, 4, 5)]
+        if not any(stack_lib.port_in_use(p) for p in ports):
+            return shift
+    pytest.fail(f"no free port shift among {SHIFTS} for the cluster stack; "
+                "set BLOCKAGG_CLUSTER_PORT_SHIFT")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[StackControl]:
+    base = {k: v for k, v in os.environ.items() if k not in FAULT_VARS}
+    env = fault_stack_env(base, shift=cluster_shift(), brokers=3, shards=2,
+                          root=Path(os.environ.get("BLOCKAGG_CLUSTER_STACK_DIR")
+                                    or REPO_ROOT / ".stack" / "cluster"))
+    control = StackControl(env)
+    try:
+        seconds = control.up()
+    except RuntimeError as exc:
+        pytest.fail(f"the three-broker stack did not come up: {exc}")
+    print(f"\n3-broker 2-shard stack up in {seconds:.1f}s at {control.bootstrap}")
+    yield control
+    print("\n" + subprocess.run([sys.executable, str(STACK), "status"], env=control.env,
+                                capture_output=True, text=True, check=False).stdout)
+    control.down()
+
+
+def admin(control: StackControl, servers: str | None = None):  # type: ignore[no-untyped-def]
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient({"bootstrap.servers": servers or control.bootstrap})
+
+
+def create_topic(control: StackControl, name: str, rf: int = -1,
+                 config: dict[str, str] | None = None) -> str:
+    from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
+
+    client = admin(control)  # kept referenced until the futures are done
+    fut = client.create_topics(
+        [NewTopic(name, num_partitions=1, replication_factor=rf, config=config or {})])
+    fut[name].result(30)
+    deadline = time.monotonic() + 30
+    for b in control.cfg.kafka_brokers:  # every node knows it (the job asks any of them)
+        node = admin(control, f"127.0.0.1:{b.port}")
+        while name not in node.list_topics(timeout=30).topics:
+            assert time.monotonic() < deadline, f"node {b.node_id} never listed {name}"
+            time.sleep(0.2)
+    return name
+
+
+def topic_config(control: StackControl, name: str) -> dict[str, str]:
+    from confluent_kafka.admin import ConfigResource  # type: ignore[attr-defined]
+
+    client = admin(control)
+    futures = client.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, name)])
+    return {k: str(v.value) for k, v in next(iter(futures.values())).result(30).items()}
+
+
+def replicas_and_isr(control: StackControl, name: str) -> list[tuple[int, int]]:
+    meta = admin(control).list_topics(name, timeout=30)
+    return [(len(p.replicas), len(p.isrs)) for p in meta.topics[name].partitions.values()]
+
+
+def transactional_round(control: StackControl, topic: str, group: str, n: int = 20) -> int:
+    """Produce ``n`` records and commit an offset for ``group`` in one transaction
+    (acks=all, idempotent); returns how many a read_committed consumer then sees."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    producer = Producer({"bootstrap.servers": control.bootstrap, "acks": "all",
+                         "enable.idempotence": True,
+                         "transactional.id": f"cluster-{uuid.uuid4().hex[:8]}",
+                         "transaction.timeout.ms": 30_000, "log_level": 0})
+    producer.init_transactions(60)
+    producer.begin_transaction()
+    for i in range(n):
+        producer.produce(topic, value=f"m{i}".encode())
+    consumer = Consumer({"bootstrap.servers": control.bootstrap, "group.id": group,
+                         "enable.auto.commit": False, "isolation.level": "read_committed",
+                         "auto.offset.reset": "earliest", "log_level": 0})
+    try:
+        producer.send_offsets_to_transaction([TopicPartition(topic, 0, n)],
+                                             consumer.consumer_group_metadata(), 60)
+        producer.commit_transaction(60)
+        consumer.assign([TopicPartition(topic, 0, 0)])
+        seen = 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            msg = consumer.poll(1.0)
+            if msg is not None and msg.error() is None:
+                seen += 1
+            elif msg is None and seen:
+                break
+        committed = consumer.committed([TopicPartition(topic, 0)], 30)[0].offset
+        assert committed == n, f"the transaction's offset commit: {committed} != {n}"
+        return seen
+    finally:
+        consumer.close()
+
+
+def test_three_brokers_form_one_cluster_with_production_durability(
+        cluster: StackControl) -> None:
+    ids = set()
+    for b in cluster.cfg.kafka_brokers:  # each node alone names all three and one id
+        client = admin(cluster, f"127.0.0.1:{b.port}")
+        desc = client.describe_cluster(request_timeout=30).result(30)
+        assert sorted(n.id for n in desc.nodes) == [1, 2, 3]
+        ids.add(desc.cluster_id)
+    assert len(ids) == 1, f"three cluster ids: {ids}"
+    topic = create_topic(cluster, f"cl-new-{uuid.uuid4().hex[:8]}")  # broker defaults
+    assert transactional_round(cluster, topic, f"cl-g-{uuid.uuid4().hex[:8]}") == 20
+    for name in (topic, "__consumer_offsets", "__transaction_state"):
+        assert {rf for rf, _ in replicas_and_isr(cluster, name)} == {3}, name
+        config = topic_config(cluster, name)
+        assert config["min.insync.replicas"] == "2", name
+        assert config["unclean.leader.election.enable"] == "false", name
+
+
+def test_a_killed_broker_leaves_transactions_working_and_rejoins(
+        cluster: StackControl) -> None:
+    topic = create_topic(cluster, f"cl-kill-{uuid.uuid4().hex[:8]}")
+    group = f"cl-g-{uuid.uuid4().hex[:8]}"
+    assert transactional_round(cluster, topic, group) == 20  # creates the internal topics
+    victim = cluster.leader(topic, 0)
+    print(f"\nleader {victim}, group coordinator {cluster.group_coordinator(group)}")
+    cluster.kill9_broker(victim)
+    try:
+        started = time.monotonic()
+        assert transactional_round(cluster, topic, group) == 40
+        print(f"transaction with node {victim} dead: {time.monotonic() - started:.1f}s")
+        assert cluster.leader(topic, 0) not in (victim, -1)
+        assert {isr for _, isr in replicas_and_isr(cluster, topic)} == {2}
+    finally:
+        seconds = cluster.up()
+    print(f"node {victim} restarted in {seconds:.1f}s")
+    deadline = time.monotonic() + 60
+    while replicas_and_isr(cluster, topic) != [(3, 3)]:
+        assert time.monotonic() < deadline, f"node {victim} did not rejoin the ISR of {topic}"
+        time.sleep(0.5)
+    print(f"back in sync {time.monotonic() - started:.1f}s after the kill")
+
+
+def job_config(cluster: StackControl, topic: str) -> Config:
+    return loads(f"""
+[job]
+checkpoint_location = "/tmp/ck"
+[kafka]
+"bootstrap.servers" = "{cluster.bootstrap}"
+[[topics]]
+name = "{topic}"
+replicas = ["127.0.0.1:9000"]
+""")
+
+
+def start_checks(config: Config, topic: str) -> object:
+    """What ``preflight.run`` does for Kafka before ClickHouse: the topics, then their
+    durability."""
+    found = check_topics(config.kafka.librdkafka_config(), [topic])
+    return preflight.check_durability(config, found)
+
+
+@pytest.mark.parametrize(("rf", "config", "refusal"), [
+    (1, {}, "replication.factor=1"),
+    (3, {"min.insync.replicas": "1"}, "min.insync.replicas=1"),
+])
+def test_the_start_refuses_an_unsafe_topic_on_the_cluster(
+        cluster: StackControl, rf: int, config: dict[str, str], refusal: str) -> None:
+    topic = create_topic(cluster, f"cl-unsafe-{uuid.uuid4().hex[:8]}", rf, config)
+    with pytest.raises(UnsafeKafkaDurability, match=f"Kafka topic {topic} .*{refusal}"):
+        start_checks(job_config(cluster, topic), topic)
+
+
+def test_the_start_accepts_rf3_min_insync2_on_the_cluster(cluster: StackControl) -> None:
+    topic = create_topic(cluster, f"cl-safe-{uuid.uuid4().hex[:8]}", 3,
+                         {"min.insync.replicas": "2"})
+    result = start_checks(job_config(cluster, topic), topic)
+    assert getattr(result, "brokers", None) == 3
+    assert getattr(result, "accepted", False) and not getattr(result, "findings", ())
+
+
+def test_the_second_shard_replicates_within_itself_and_joins_the_cluster(
+        cluster: StackControl) -> None:
+    from clickhouse_driver import Client
+
+    first, second = cluster.cfg.shard_replicas().values()
+    clients = {r.name: Client("127.0.0.1", port=r.tcp) for r in (*first, *second)}
+    rows = clients["r1"].execute("SELECT shard_num, port FROM system.clusters "
+                                 "WHERE cluster = 'blockagg' ORDER BY shard_num, port")
+    assert rows == [(1, first[0].tcp), (1, first[1].tcp), (2, second[0].tcp),
+                    (2, second[1].tcp)]
+    db = f"cl_{uuid.uuid4().hex[:8]}"
+    for c in clients.values():
+        c.execute(f"CREATE DATABASE {db}")
+        c.execute(f"CREATE TABLE {db}.t (x UInt64) ENGINE = ReplicatedMergeTree("
+                  f"'/clickhouse/tables/{{shard}}/{db}/t', '{{replica}}') ORDER BY x")
+    clients["r3"].execute(f"INSERT INTO {db}.t VALUES", [(i,) for i in range(10)])
+    clients["r4"].execute(f"SYSTEM SYNC REPLICA {db}.t")
+    counts = {n: c.execute(f"SELECT count() FROM {db}.t")[0][0] for n, c in clients.items()}
+    assert counts == {"r1": 0, "r2": 0, "r3": 10, "r4": 10}
+    for c in clients.values():
+        c.execute(f"DROP DATABASE {db}")
+        c.disconnect()
