@@ -45,6 +45,10 @@ pytestmark = pytest.mark.integration
 
 SHIFT = 5000
 """Port shift of the second cluster's broker (the fault suite uses 2000)."""
+MAX_OFFSETS = 24
+"""Both jobs' ``max_offsets_per_trigger``: with the same messages (spread evenly over
+the partitions) their batches cover the same ranges, so their blocks are equal but
+for ``_incarnation``."""
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +118,7 @@ def _job(tmp: Path, stack_env: dict[str, str], bootstrap: str, topic: str, datab
     write_config(config, {"group": group, "checkpoint": str(tmp / "checkpoint"),
                           "topic": topic, "host": stack_env["BLOCKAGG_CH_HOST"],
                           "ports": stack_env["BLOCKAGG_CH_PORTS"], "database": database,
-                          "bootstrap": bootstrap, "schema_topic": schema_topic}, 40, 25)
+                          "bootstrap": bootstrap, "schema_topic": schema_topic}, MAX_OFFSETS, 25)
     text = config.read_text().replace(
         "[clickhouse]\n", "[clickhouse]\nshared_with_other_kafka_clusters = true\n", 1)
     config.write_text(text)
@@ -199,7 +203,7 @@ def test_two_clusters_same_topic_into_one_shard_each_row_once_through_a_kill9(
     assert len(same) >= 40, "the clusters' first messages must coincide"
 
     started = time.monotonic()
-    running = a.popen("--max-offsets-per-trigger", "24")
+    running = a.popen()
     try:
         a.wait_rows(1, running)
         running.wait_batches(3)
@@ -212,9 +216,17 @@ def test_two_clusters_same_topic_into_one_shard_each_row_once_through_a_kill9(
     b.run()  # B's first start: A's rows of the same topic name are not B's
     a.run()  # A's restart after the kill: replays its interrupted blocks
     counts = _assert_each_cluster_exactly_once({inc_a: a, inc_b: b})
+    both = sum(int(a.clients[0].execute(
+        f"SELECT count() FROM (SELECT _partition, _offset, id FROM {ch_database}.{short} "
+        "GROUP BY _partition, _offset, id HAVING uniqExact(_incarnation) = 2)")[0][0])
+        for short in TABLES)
+    coinciding = sum(len(same_rows) for same_rows in (
+        {k: v for k, v in a.feed.produced.rows[t].items()
+         if b.feed.produced.rows[t].get(k) == v} for t in TABLES))
+    assert both == coinciding > 0, f"{both} rows stored for both clusters, {coinciding} equal"
     assert counts == {inc_a: a.feed.produced.total_rows, inc_b: b.feed.produced.total_rows}
-    print(f"\ntwo clusters: {counts[inc_a]} + {counts[inc_b]} rows exact, "
-          f"{len(same)} coinciding orders rows, {time.monotonic() - started:.0f}s")
+    print(f"\ntwo clusters: {counts[inc_a]} + {counts[inc_b]} rows exact, {coinciding} "
+          f"equal rows at equal coordinates stored for each, {time.monotonic() - started:.0f}s")
 
 
 def test_a_table_without_incarnation_is_refused_when_shared(
