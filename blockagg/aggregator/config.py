@@ -322,6 +322,13 @@ class ClickHouseConfig:
     already hold rows at its coordinates and have no ``_incarnation`` column to tell
     them apart (``aggregator.clickhouse.stored``): refused by default, since on a
     server without tokens a new block equal to a stored one would be dropped."""
+    shared_with_other_kafka_clusters: bool = False
+    """Other Kafka clusters (another data centre's, with the same topic names) feed the
+    same tables through their own jobs. On a server that deduplicates by content hash
+    only a column in the block can keep two clusters' equal blocks apart, so the start
+    refuses every table without ``_incarnation UInt64`` (``incarnation`` in the
+    dead-letter table), and the ownership check counts only this cluster's rows
+    (docs/running.md, *Two data centres into one shard*)."""
 
     def __repr__(self) -> str:
         return (
@@ -338,7 +345,8 @@ class ClickHouseConfig:
             f"allow_tables_without_coordinates={self.allow_tables_without_coordinates!r}, "
             f"replay_across_alter={self.replay_across_alter!r}, "
             f"expired_replay={self.expired_replay!r}, "
-            f"allow_stored_coordinates={self.allow_stored_coordinates})"
+            f"allow_stored_coordinates={self.allow_stored_coordinates}, "
+            f"shared_with_other_kafka_clusters={self.shared_with_other_kafka_clusters})"
         )
 
 
@@ -968,6 +976,8 @@ def from_dict(
                                       "refuse"),
         expired_replay=ch_t.take("expired_replay", _one_of(REPLAY_ACROSS_ALTER), "refuse"),
         allow_stored_coordinates=ch_t.take("allow_stored_coordinates", _bool, False),
+        shared_with_other_kafka_clusters=ch_t.take("shared_with_other_kafka_clusters", _bool,
+                                                   False),
     )
     ch_t.done()
     for topic in topics:

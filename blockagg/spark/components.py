@@ -223,6 +223,7 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
 
 
         allow_stored_coordinates=ch.allow_stored_coordinates,
+        shared_with_other_kafka_clusters=ch.shared_with_other_kafka_clusters,
     ))
 
 

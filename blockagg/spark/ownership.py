@@ -117,6 +117,11 @@ def _stored_conflicts(config: Config, topic: str, shard: TopicConfig,
     tls = tls_arguments(ch.secure, ch.verify, ch.ca_certs)
     timeout = min(10.0, ch.connect_timeout)
     error: Exception | None = None
+    incarnation = None
+    if ch.shared_with_other_kafka_clusters:  # another cluster's rows are not this topic's
+        from blockagg.aggregator.kafka.incarnation import TopicIncarnations
+
+        incarnation = TopicIncarnations(config.kafka.librdkafka_config()).of(topic)
     for replica in shard.replicas:  # any replica: quorum inserts are on each
         client = Client(replica.host, port=replica.port, user=ch.user,
                         password=ch.password.reveal(), connect_timeout=timeout,
@@ -124,7 +129,7 @@ def _stored_conflicts(config: Config, topic: str, shard: TopicConfig,
         try:
             tables = coordinate_tables(client, registered)
             return overlaps(starts, stored_top(client, topic, tables,
-                                               config.dead_letters.table))
+                                               config.dead_letters.table, incarnation))
         except Exception as exc:
             error = exc
         finally:
@@ -143,7 +148,8 @@ def _registered_tables(config: Config) -> list[str]:
 
 
 def _rows_message(topic: str, shard: str, group: str,
-                  found: Mapping[int, tuple[int, str]], starts: Mapping[int, int]) -> str:
+                  found: Mapping[int, tuple[int, str]], starts: Mapping[int, int],
+                  shared: bool = False) -> str:
     shown = ", ".join(f"[{p}] rows up to offset {o} in {t} (would deliver from {starts[p]})"
                       for p, (o, t) in sorted(found.items()))
     resets = " ".join(f"--topic {topic}:{p} --to-offset {o + 1}"
@@ -153,7 +159,9 @@ def _rows_message(topic: str, shard: str, group: str,
         f"would deliver ({shown}): they would be stored twice. Restart with the group that "
         "delivered them (--group), or take over from it deliberately (--take-over GROUP), "
         f"or start after what is stored (kafka-consumer-groups.sh --reset-offsets --group "
-        f"{group} {resets} --execute)")
+        f"{group} {resets} --execute)"
+        + ("" if shared else "; if another Kafka cluster feeds these tables under the same "
+           "topic name, set clickhouse.shared_with_other_kafka_clusters = true"))
 
 
 def check(config: Config, topics: Mapping[str, int], clickhouse: bool = True,
@@ -209,7 +217,9 @@ def _check_once(config: Config, topics: Mapping[str, int], clickhouse: bool,
                 registered = _registered_tables(config)
             found = _stored_conflicts(config, topic, shard, starts, registered)
             if found:
-                raise RowsAlreadyStored(_rows_message(topic, key.shard, group, found, starts))
+                raise RowsAlreadyStored(_rows_message(
+                    topic, key.shard, group, found, starts,
+                    config.clickhouse.shared_with_other_kafka_clusters))
     writes = [d for d in decisions if d.record is not None]
     if writes:
         store.write(writes, {group: copies})

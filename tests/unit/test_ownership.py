@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockagg.aggregator.clickhouse.stored import overlaps, stored_top_query
+from blockagg.aggregator.clickhouse.stored import overlaps, stored_top, stored_top_query
 from blockagg.aggregator.config import loads
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
 from blockagg.aggregator.core.model import Committed
@@ -131,7 +131,40 @@ def test_the_stored_offsets_query_is_one_union_over_tables_and_dead_letters() ->
     assert q.count("%(topic)s") == 3
 
 
-def test_verifier_conflicts() -> None:
+def test_with_another_cluster_feeding_the_tables_only_this_incarnations_rows_conflict(
+        ) -> None:
+    """Issue 27 (two data centres into one shard): the other cluster's job stores rows
+    of the same topic name at the same offsets; with
+    clickhouse.shared_with_other_kafka_clusters a table carrying the incarnation
+    counts only this incarnation's rows (and unknown ones, 0), so the second job's
+    first start is not refused by the first job's rows. A table without the column
+    still counts every row (its start is refused anyway by the table check)."""
+    q = stored_top_query(["db.a", "db.b"], "db.dl", marked={"db.a", "db.dl"})
+    a, b, dl = q.split(" UNION ALL ")
+    assert "`_incarnation` IN (%(incarnation)s, 0)" in a
+    assert "incarnation" not in b
+    assert "`incarnation` IN (%(incarnation)s, 0)" in dl
+    assert "incarnation" not in stored_top_query(["db.a"], "db.dl")
+
+    class Client:
+        def __init__(self) -> None:
+            self.params: list[object] = []
+
+        def execute(self, query: str, params: dict[str, object]) -> list[tuple[object, ...]]:
+            self.params.append(params)
+            if "system.columns" in query:
+                return [("db", "a", "_incarnation"), ("db", "b", "incarnation"),
+                        ("db", "dl", "incarnation")]
+            assert "`db`.`a` WHERE _topic = %(topic)s AND `_incarnation`" in query
+            assert "`db`.`b` WHERE _topic = %(topic)s GROUP BY" in query
+            assert "`db`.`dl` WHERE topic = %(topic)s AND `incarnation`" in query
+            return [(0, 7, "db.a")]
+
+    client = Client()
+    assert stored_top(client, "t", ["db.a", "db.b"], "db.dl", incarnation=42) == {
+        0: (7, "db.a")}
+    assert client.params[-1] == {"topic": "t", "incarnation": 42}
+
     records = {KEY: _owned("a")}
     took = decide(KEY, _owned("a"), "b", "a", 9).record
     assert took is not None

@@ -25,6 +25,14 @@ class CoordinatesMissing(DedupNotConfigured):
     lists the table."""
 
 
+class IncarnationMissing(CoordinatesMissing):
+    """A table that other Kafka clusters feed too (``clickhouse.shared_with_other_kafka_
+    clusters``) without the ``_incarnation`` column (``incarnation`` in the dead-letter
+    table) on a server that deduplicates by content hash: a block of this cluster whose
+    rows and coordinates equal another cluster's block hashes alike, and the second
+    is dropped as a retry and lost."""
+
+
 class DedupWindowTooSmall(ClickHouseError):
     """A table's deduplication window is smaller than the blocks a retried block may
     have to outlive (``aggregator.clickhouse.dedup_window``)."""

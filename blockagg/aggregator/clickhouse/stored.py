@@ -145,25 +145,64 @@ def coordinate_tables(client: Any, among: Sequence[str]) -> list[str]:
     return [f"{d}.{t}" for d, t in rows if f"{d}.{t}" in wanted]
 
 
-def stored_top_query(tables: Sequence[str], dead_letter_table: str | None) -> str:
+def incarnation_tables(client: Any, among: Sequence[str], dead_letter_table: str | None
+                       ) -> frozenset[str]:
+    """The tables of ``among`` (and the dead-letter table) that carry the topic
+    incarnation (``_incarnation``; ``incarnation`` in the dead-letter table), one
+    request."""
+    wanted = {t for t in (*among, *([dead_letter_table] if dead_letter_table else []))
+              if is_table_name(t)}
+    if not wanted:
+        return frozenset()
+    rows = client.execute(
+        "SELECT database, table, name FROM system.columns WHERE database IN %(dbs)s AND "
+        "name IN ('_incarnation', 'incarnation')",
+        {"dbs": tuple(sorted({t.split(".", 1)[0] for t in wanted}))})
+    return frozenset(
+        f"{d}.{t}" for d, t, n in rows if f"{d}.{t}" in wanted
+        and n == (DEAD_LETTER_COORDINATES.incarnation if f"{d}.{t}" == dead_letter_table
+                  else TABLE_COORDINATES.incarnation))
+
+
+def stored_top_query(tables: Sequence[str], dead_letter_table: str | None,
+                     marked: Collection[str] = ()) -> str:
+    """The union of :func:`stored_top`; a table of ``marked`` counts only the rows of
+    incarnation ``%(incarnation)s`` and of unknown incarnation (``0``, written before
+    the column existed: they may be this cluster's)."""
+    def mine(table: str, column: str) -> str:
+        return (f" AND `{column}` IN (%(incarnation)s, 0)" if table in marked else "")
+
     parts = [f"SELECT toUInt32(_partition) AS p, max(toUInt64(_offset)) AS o, '{t}' AS t "
-             f"FROM {_quote(t)} WHERE _topic = %(topic)s GROUP BY p" for t in tables]
+             f"FROM {_quote(t)} WHERE _topic = %(topic)s"
+             f"{mine(t, TABLE_COORDINATES.incarnation)} GROUP BY p" for t in tables]
     if dead_letter_table is not None:
         parts.append(f"SELECT toUInt32(`partition`) AS p, max(toUInt64(`offset`)) AS o, "
                      f"'{dead_letter_table}' AS t FROM {_quote(dead_letter_table)} "
-                     "WHERE topic = %(topic)s GROUP BY p")
+                     f"WHERE topic = %(topic)s"
+                     f"{mine(dead_letter_table, DEAD_LETTER_COORDINATES.incarnation)} "
+                     "GROUP BY p")
     return " UNION ALL ".join(parts)
 
 
 def stored_top(client: Any, topic: str, tables: Sequence[str],
-               dead_letter_table: str | None) -> dict[int, tuple[int, str]]:
+               dead_letter_table: str | None, incarnation: int | None = None
+               ) -> dict[int, tuple[int, str]]:
     """The highest stored offset of each partition of ``topic`` over ``tables`` and the
-    dead-letter table, with the table that holds it (one request)."""
+    dead-letter table, with the table that holds it (one request; two with
+    ``incarnation``). With ``incarnation`` (``clickhouse.shared_with_other_kafka_
+    clusters``: another Kafka cluster feeds the same tables under the same topic
+    name), a table carrying the incarnation counts only rows of this one or of
+    unknown incarnation: another cluster's rows are not this topic's."""
     if not tables and dead_letter_table is None:
         return {}
+    marked: frozenset[str] = frozenset()
+    params: dict[str, Any] = {"topic": topic}
+    if incarnation is not None:
+        marked = incarnation_tables(client, tables, dead_letter_table)
+        params["incarnation"] = incarnation
     out: dict[int, tuple[int, str]] = {}
-    for p, o, t in client.execute(stored_top_query(tables, dead_letter_table),
-                                  {"topic": topic}):
+    for p, o, t in client.execute(stored_top_query(tables, dead_letter_table, marked),
+                                  params):
         if int(p) not in out or int(o) > out[int(p)][0]:
             out[int(p)] = (int(o), str(t))
     return out

@@ -52,6 +52,7 @@ from blockagg.aggregator.clickhouse.exceptions import (
     CoordinatesMissing,
     DedupModeMismatch,
     DedupNotConfigured,
+    IncarnationMissing,
     InsertFailed,
     QuorumUnsatisfied,
     ReplayAcrossAlter,
@@ -286,6 +287,10 @@ class WriterConfig:
     holding rows at their coordinates (``aggregator.clickhouse.stored``), so in a
     table without ``_incarnation`` the re-send check can't take the rows it counts
     for this incarnation's, and settles nothing by them."""
+    shared_with_other_kafka_clusters: bool = False
+    """``clickhouse.shared_with_other_kafka_clusters``: other Kafka clusters feed the
+    same tables, so on a content-hash server every table must carry the topic
+    incarnation (:meth:`ClickHouseBlockWriter._judge_shared`)."""
     dead_letter_columns_ttl_s: float = 60.0
     """How long the dead-letter table's columns are taken as known (whether it has the
     ``incarnation`` column) before they are read again."""
@@ -552,6 +557,8 @@ class ClickHouseBlockWriter:
                 warning = judge_window(table, setting, window, need, allow_small_window)
                 if warning is not None:
                     warnings.append(warning)
+            if self.config.shared_with_other_kafka_clusters:
+                self._judge_shared(info)
             if not info.coordinates and table != self.config.dead_letter_table:
                 warning = self._judge_coordinates(info)
                 if warning is not None:
@@ -590,6 +597,32 @@ class ClickHouseBlockWriter:
         if "shard" in macros:
             return f"macro:{macros.get('cluster', '')}/{macros['shard']}"
         return None
+
+    def _judge_shared(self, info: TableInfo) -> None:
+        """A table that other Kafka clusters feed too (``shared_with_other_kafka_clusters``):
+        on a server that deduplicates by content hash, refused without the topic
+        incarnation column (``UInt64``, filled by the writer), the only part of the
+        block that names the cluster (invariant 1: another data centre's block with the
+        same rows at the same topic name, partition and offsets hashes alike, and the
+        second is dropped as a retry). With ``insert_deduplication_token`` the token
+        carries the incarnation (``core.model.block_token``): nothing to check."""
+        if self.supports_token:
+            return
+        table = info.table
+        dead = table == self.config.dead_letter_table
+        name = DEAD_LETTER_COORDINATES.incarnation if dead else INCARNATION_COLUMN
+        column = next((c for c in info.columns if c.name == name), None)
+        if (column is not None and column.type == "UInt64"
+                and column.default_kind not in ("MATERIALIZED", "ALIAS")):
+            return
+        what = (f"has no {name} column" if column is None else
+                f"has {name} {column.type} {column.default_kind}".rstrip())
+        version = ".".join(map(str, self.server_version))
+        raise IncarnationMissing(
+            f"table {table} {what}, but clickhouse.shared_with_other_kafka_clusters = true "
+            f"and ClickHouse {version} deduplicates by content hash: another cluster's "
+            "block with the same rows at the same coordinates would be dropped as a retry "
+            f"and lost. Fix: ALTER TABLE {table} ADD COLUMN {name} UInt64 DEFAULT 0")
 
     def _judge_coordinates(self, info: TableInfo) -> str | None:
         """A table without ``_topic``, ``_partition``, ``_offset``: refused on a server

@@ -136,3 +136,38 @@ def test_a_replay_across_the_token_upgrade_is_never_sent_under_another_identity(
     assert s.query("SELECT count() FROM db.up", "CSV").bytes().strip() == b"1"
     writer.insert(block, batch(DedupMode.UNPINNED))   # what a per-process decision did
     assert s.query("SELECT count() FROM db.up", "CSV").bytes().strip() == b"2"
+
+
+def test_two_kafka_clusters_equal_blocks_both_land_under_tokens(
+        chdb_session: Any, sample: Descriptor) -> None:
+    """Issue 27 (two data centres into one shard), token mode: two clusters' blocks
+    with the same rows at the same topic name, partition and offsets differ only by
+    the topic incarnation (``incarnation_of(cluster id, topic id)``, pinned), which the
+    token carries: both are stored, and each one's retry is dropped. The table needs
+    no ``_incarnation`` column here, even with
+    ``clickhouse.shared_with_other_kafka_clusters``."""
+    from blockagg.aggregator.core.metadata import DedupMode, Pins, incarnation_of
+
+    s = chdb_session
+    s.query("DROP TABLE IF EXISTS db.twodc")
+    s.query("CREATE TABLE db.twodc (i64 Int64, text String) ENGINE = MergeTree ORDER BY "
+            "i64 SETTINGS non_replicated_deduplication_window = 100")
+    writer = ClickHouseBlockWriter(
+        WriterConfig(replicas=(Replica("chdb"),), shared_with_other_kafka_clusters=True,
+                     allow_without_coordinates=frozenset({"db.twodc"})),
+        lambda r: ChdbClient(s), sleep=lambda x: None)
+    writer.check_tables(["db.twodc"])
+    cls: Any = message_class(sample)
+    plan, _ = make_plan("db.twodc", 1, 1, sample,
+                        [Column("i64", "Int64"), Column("text", "String")])
+    payloads = decode_messages(plan, [[cls(i64=1, text="x").SerializeToString()]] * 2)
+    for cluster in ("dc-east-cluster-id", "dc-west-cluster-id", "dc-east-cluster-id"):
+        incarnation = incarnation_of(cluster, "topic-id")
+        batch = Batch("events", 0, 40, 42, np.array([40, 41]), np.array([1, 1]),
+                      np.array([1, 1]), np.array([1, 1]), payloads, {1: "db.twodc"},
+                      pins=Pins(1, incarnation, int(DedupMode.TOKEN)))
+        block = Block("events", 0, 1, "db.twodc", 40, 41, np.array([0, 1]), 2, 2,
+                      block_token("events", 0, "db.twodc", 40, 41, incarnation))
+        writer.insert(block, batch)
+        writer.insert(block, batch)  # the retry
+    assert s.query("SELECT count() FROM db.twodc", "CSV").bytes().strip() == b"4"

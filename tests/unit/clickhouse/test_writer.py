@@ -17,6 +17,7 @@ from blockagg.aggregator.clickhouse.exceptions import (
     CoordinatesMissing,
     DedupNotConfigured,
     DedupWindowTooSmall,
+    IncarnationMissing,
     InsertFailed,
     QuorumUnsatisfied,
     TableNotFound,
@@ -312,6 +313,47 @@ def test_a_table_without_coordinates_is_refused_on_a_content_hash_server() -> No
                         ("x", "Int64", "", ""), ("_topic", "String", "", ""),
                         ("_partition", "UInt32", "", ""), ("_offset", "UInt64", "", "")]}
     assert make_writer(with_columns, []).check_tables(["db.t"]) == []
+
+
+COLUMNS_QUERY = ("SELECT name, type, default_kind, default_expression FROM system.columns "
+                 "WHERE database = %(db)s AND table = %(t)s")
+COORDINATE_ROWS = [("x", "Int64", "", ""), ("_topic", "String", "", ""),
+                   ("_partition", "UInt32", "", ""), ("_offset", "UInt64", "", "")]
+
+
+def test_a_table_shared_with_another_kafka_cluster_needs_the_incarnation_on_18_16() -> None:
+    """Issue 27 (two data centres into one shard): on a content-hash server only the
+    _incarnation column keeps another cluster's block with the same rows at the same
+    coordinates from hashing alike (the second would be dropped). With
+    clickhouse.shared_with_other_kafka_clusters a table without it (or with it of
+    another type, or MATERIALIZED) refuses the start in one line naming the table and
+    the column; the dead-letter table needs its ``incarnation`` column. The default
+    is unchanged, and a token server needs nothing (the token carries the
+    incarnation)."""
+    script = {**_check_script("ReplicatedMergeTree", ""), COLUMNS_QUERY: COORDINATE_ROWS}
+    assert make_writer(script, []).check_tables(["db.t"]) == []
+    with pytest.raises(IncarnationMissing) as info:
+        make_writer(script, [], shared_with_other_kafka_clusters=True).check_tables(["db.t"])
+    text = str(info.value)
+    assert isinstance(info.value, CoordinatesMissing) and "\n" not in text
+    assert text.startswith("table db.t has no _incarnation column, but "
+                           "clickhouse.shared_with_other_kafka_clusters = true"), text
+    assert text.endswith("Fix: ALTER TABLE db.t ADD COLUMN _incarnation UInt64 DEFAULT 0")
+    assert make_writer(script, [], version="22.3.1",
+                       shared_with_other_kafka_clusters=True).check_tables(["db.t"]) == []
+    for kind, typ in (("", "UInt32"), ("MATERIALIZED", "UInt64")):
+        wrong = {**script, COLUMNS_QUERY: [*COORDINATE_ROWS, ("_incarnation", typ, kind, "")]}
+        with pytest.raises(IncarnationMissing, match=f"has _incarnation {typ}"):
+            make_writer(wrong, [], shared_with_other_kafka_clusters=True).check_tables(
+                ["db.t"])
+    marked = {**script, COLUMNS_QUERY: [*COORDINATE_ROWS, ("_incarnation", "UInt64",
+                                                           "DEFAULT", "0")]}
+    assert make_writer(marked, [], shared_with_other_kafka_clusters=True).check_tables(
+        ["db.t"]) == []
+    with pytest.raises(IncarnationMissing, match=r"^table db\.t has no incarnation column.*"
+                       r"ADD COLUMN incarnation UInt64 DEFAULT 0$"):
+        make_writer(marked, [], dead_letter_table="db.t",
+                    shared_with_other_kafka_clusters=True).check_tables(["db.t"])
 
 
 def test_check_refuses_profile_and_distributed() -> None:
