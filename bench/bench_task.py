@@ -124,9 +124,40 @@ table = "{database}.dead_letters"
         run_range(ctx, tp, offsets[:warm], values[:warm], stamps[:warm])
         ctx = TaskContext(config, components,
                           {tp: PlannedRange(TOPIC, 0, warm, len(offsets))}, 2, 1)
+        profiler = None
+        profilers: list[Any] = []
+        if args.cprofile:
+            import cProfile
+            import threading
+
+            profiler = cProfile.Profile(time.thread_time)
+            local = threading.local()
+            insert = components.writer.insert
+
+            def profiled_insert(*a: Any, **k: Any) -> Any:
+                # The lanes' threads: cProfile sees only the thread that enables it.
+                if not hasattr(local, "p"):
+                    local.p = cProfile.Profile(time.thread_time)
+                    profilers.append(local.p)
+                local.p.enable()
+                try:
+                    return insert(*a, **k)
+                finally:
+                    local.p.disable()
+
+            components.writer.insert = profiled_insert
+            profiler.enable()
         w0, c0 = time.perf_counter(), time.process_time()
         report = run_range(ctx, tp, offsets[warm:], values[warm:], stamps[warm:])
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        if profiler is not None:
+            profiler.disable()
+            import pstats
+
+            stats = pstats.Stats(profiler)
+            for p in profilers:
+                stats.add(p)
+            stats.dump_stats(str(args.cprofile))
         stored = sum(int(admin[0].execute(f"SELECT count() FROM {database}.{n}")[0][0])
                      for n in names)
     finally:
@@ -180,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="a checkout to compare with (ABBA)")
     ap.add_argument("--profile", type=Path, help="py-spy one run of this checkout into FILE")
+    ap.add_argument("--cprofile", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--keep", action="store_true", help="keep the benchmark database")
     args = ap.parse_args(argv)

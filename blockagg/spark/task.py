@@ -197,10 +197,19 @@ def live_columns(config: Config, topic: TopicConfig, table: str) -> Any:
     table's deduplication window, which :func:`block_shares` judges and turns into the
     guard before the batch is planned, so a table registered after the start is judged
     before its first insert. Called once per table per ``[schemas] refresh_interval``
-    per worker (``Plans`` caches)."""
+    per worker (``Plans`` caches). The columns are those the check read."""
+    return live_columns_many(config, topic, [table])[table]
+
+
+def live_columns_many(config: Config, topic: TopicConfig, tables: Sequence[str]
+                      ) -> dict[str, Any]:
+    """:func:`live_columns` of several tables with one check (a few queries per
+    database instead of seven per table): what ``Plans.prefetch`` reads for a batch's
+    tables whose live columns expired. Raises as :func:`live_columns` does, for the
+    first table that fails its check."""
     writer = describer(config, topic)
-    writer.check_tables([table])
-    return writer.describe(table).columns
+    writer.check_tables(list(tables))
+    return {t: writer.checked(t).columns for t in tables}
 
 
 def block_shares(ctx: TaskContext, topic: TopicConfig, batch: Batch) -> tuple[BlockShare, ...]:
@@ -348,7 +357,8 @@ def prepare_batch(
         ("plans", topic.label, str(id(registry))),
         lambda: Plans(registry.current(),
                       columns=lambda table: live_columns(config, topic, table),
-                      columns_ttl_s=config.schemas.refresh_interval),
+                      columns_ttl_s=config.schemas.refresh_interval,
+                      columns_many=lambda tables: live_columns_many(config, topic, tables)),
     )
     plans.expire_live()
     envelopes = parsed if isinstance(parsed, Envelopes) else parse_envelopes(values)

@@ -15,6 +15,7 @@ from blockagg.aggregator.clickhouse.exceptions import (
     DedupNotConfigured,
     DedupWindowTooSmall,
     InsertFailed,
+    TableNotFound,
 )
 from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
@@ -260,3 +261,31 @@ def test_a_recently_used_connection_skips_the_ping_and_a_dead_one_is_retried(
         assert c.execute(f"SELECT count(), uniqExact(_offset) FROM {table}") == [(30, 3)]
     for w in (warm, always, describer):
         w.close()
+
+
+def test_one_check_of_several_tables_reads_each_tables_own_window_and_columns(
+        stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str) -> None:
+    """check_tables of three tables reads their columns and CREATE statements in one
+    query each (``describe_many``, ``system.tables.create_table_query`` on the real
+    18.16): each table keeps its own window (20 from its SETTINGS, the server's 100
+    without), its own columns in order, and a table missing among them is refused by
+    name."""
+    tables = {"w20": " SETTINGS replicated_deduplication_window = 20", "wd": "",
+              "wide": ""}
+    for c in ch_replicas:
+        for name, settings in tables.items():
+            extra = ", y String" if name == "wide" else ""
+            c.execute(f"CREATE TABLE {ch_database}.{name} (x UInt64{extra}, _topic String, "
+                      f"_partition UInt32, _offset UInt64) ENGINE = "
+                      f"{replicated_engine(ch_database, name)}{settings}")
+    writer = writer_for(stack_env)
+    names = [f"{ch_database}.{n}" for n in tables]
+    assert writer.check_tables(names) == []
+    windows = {n: writer.dedup_window(n) for n in names}
+    assert [w.blocks if w else None for w in windows.values()] == [20, 100, 100]
+    wide = writer.checked(f"{ch_database}.wide")
+    assert wide is not None and [c.name for c in wide.columns] == [
+        "x", "y", "_topic", "_partition", "_offset"]
+    assert wide.engine == "ReplicatedMergeTree" and wide.coordinates
+    with pytest.raises(TableNotFound, match=rf"{ch_database}\.absent"):
+        writer.check_tables([*names, f"{ch_database}.absent"])

@@ -14,8 +14,9 @@ columns, re-read every ``columns_ttl_s``: not pinned (``docs/protocol.md``).
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from blockagg.aggregator.clickhouse.rows import (
     with_incarnation,
 )
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
+from blockagg.aggregator.exceptions import BlockaggError
 from blockagg.proto.envelope import (
     LATEST,
     Envelopes,
@@ -47,6 +49,8 @@ from blockagg.proto.envelope import (
 )
 from blockagg.proto.exceptions import ProtoError
 from blockagg.proto.registry import Registration, Registry, SchemaVersion
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,9 +127,13 @@ class Plans:
     def __init__(self, registry: Registry, columns: Callable[[str], Sequence[Column]],
                  reload: Callable[[], Registry] | None = None, *,
                  columns_ttl_s: float = float("inf"),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 columns_many: Callable[[Sequence[str]], Mapping[str, Sequence[Column]]]
+                 | None = None) -> None:
         self.registry = registry
         self._columns = columns
+        self._columns_many = columns_many
+        self._previous: dict[str, tuple[Column, ...]] = {}
         self._reload = reload
         self._ttl = columns_ttl_s
         self._clock = clock
@@ -155,14 +163,44 @@ class Plans:
         batches, so one batch sees one set of live columns."""
         now = self._clock()
         for table in [t for t, (read, _) in self._live.items() if now - read >= self._ttl]:
-            del self._live[table]
+            self._previous[table] = self._live.pop(table)[1]
+
+    def prefetch(self, tables: Iterable[str]) -> None:
+        """Read the live columns of those of ``tables`` not cached, with one
+        ``columns_many`` call (when given) instead of one ``columns`` call each: the
+        same columns and checks, a few queries a batch instead of several a table.
+        A failure caches nothing and is not raised: :meth:`live` reads such a table
+        alone and raises for it, as without a prefetch, so a table the batch does not
+        end up inserting into cannot fail the batch."""
+        missing = [t for t in dict.fromkeys(tables) if t not in self._live]
+        if self._columns_many is None or not missing:
+            return
+        try:
+            read = self._columns_many(missing)
+        except BlockaggError:
+            log.debug("prefetch of %d tables' live columns failed; reading them one by one",
+                      len(missing), exc_info=True)
+            return
+        now = self._clock()
+        for table in missing:
+            if table in read:
+                self._live[table] = (now, self._same(table, tuple(read[table])))
+
+    def _same(self, table: str, columns: tuple[Column, ...]) -> tuple[Column, ...]:
+        """``columns``, or the equal tuple read before: the plans, checks and
+        incarnation plans cached by identity of the live columns stay valid when a
+        re-read finds the table unchanged (they are pure functions of its columns), and
+        are rebuilt when an ALTER changed them."""
+        previous = self._previous.pop(table, None)
+        return previous if previous == columns else columns
 
     def live(self, table: str) -> tuple[Column, ...]:
         """The table's live columns (cached, see :meth:`expire_live`); raises
         :class:`~aggregator.clickhouse.exceptions.TableNotFound`."""
         entry = self._live.get(table)
         if entry is None:
-            entry = self._live[table] = (self._clock(), tuple(self._columns(table)))
+            entry = self._live[table] = (self._clock(),
+                                         self._same(table, tuple(self._columns(table))))
         return entry[1]
 
     def needs_refresh(self, table: str, version: int, timestamp_ms: int) -> bool:
@@ -385,6 +423,7 @@ def prepare_envelopes(topic: str, partition: int,
 
     if plans.reloads and needs_newer_any(plans.registry, env, stamps):
         plans.refresh()
+    plans.prefetch(t for t in env.tables if t in plans.registry)
     for i, rejected in env.rejected.items():
         dead(i, rejected.reason, rejected.table)
     resolved = np.zeros(n, dtype=np.int64)  # the version each message decodes with

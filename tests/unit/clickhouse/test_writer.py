@@ -171,8 +171,8 @@ def test_gives_up_after_max_attempts(sample: Descriptor) -> None:
 def test_missing_table_after_failovers_past_every_replica_is_table_not_found() -> None:
     """Two failed queries on a shard of two replicas move the preferred replica past
     the last one: the next missing table is still TableNotFound, naming a replica."""
-    columns = ("SELECT name, type, default_kind, default_expression FROM system.columns "
-               "WHERE database = %(db)s AND table = %(t)s")
+    columns = ("SELECT table, name, type, default_kind, default_expression "
+               "FROM system.columns WHERE database = %(db)s AND table IN %(t)s")
     failures = [ch_errors.NetworkError("down"), ch_errors.NetworkError("down")]
 
     def flaky(params: Any) -> list[Any]:
@@ -211,14 +211,16 @@ def test_bad_rows_become_reasons(sample: Descriptor) -> None:
     assert any("has no column" in p for p in problems)
 
 
+COLUMNS = ("SELECT table, name, type, default_kind, default_expression FROM system.columns "
+           "WHERE database = %(db)s AND table IN %(t)s")
+
+
 def _check_script(engine: str, create: str, profile: str = "1") -> dict[str, Any]:
     return {
         "SELECT value FROM system.settings WHERE name = 'insert_deduplicate'": [(profile,)],
-        "SELECT name, type, default_kind, default_expression FROM system.columns WHERE "
-        "database = %(db)s AND table = %(t)s": [("x", "Int64", "", "")],
-        "SELECT engine FROM system.tables WHERE database = %(db)s AND name = %(t)s":
-            [(engine,)],
-        "SHOW CREATE TABLE db.t": [(create,)],
+        COLUMNS: [("t", "x", "Int64", "", "")],
+        "SELECT name, engine, create_table_query FROM system.tables "
+        "WHERE database = %(db)s AND name IN %(t)s": [("t", engine, create)],
         "SELECT value FROM system.merge_tree_settings WHERE name = %(n)s":
             lambda p: [("100",)] if p["n"] == "replicated_deduplication_window" else [("0",)],
     }
@@ -308,10 +310,9 @@ def test_a_table_without_coordinates_is_refused_on_a_content_hash_server() -> No
     [token] = make_writer(script, [], version="22.3.1").check_tables(["db.t"])
     assert "insert_deduplication_token" in token and "arv audit" in token
     assert make_writer(script, [], dead_letter_table="db.t").check_tables(["db.t"]) == []
-    with_columns = {**script, "SELECT name, type, default_kind, default_expression FROM "
-                    "system.columns WHERE database = %(db)s AND table = %(t)s": [
-                        ("x", "Int64", "", ""), ("_topic", "String", "", ""),
-                        ("_partition", "UInt32", "", ""), ("_offset", "UInt64", "", "")]}
+    with_columns = {**script, COLUMNS: [
+        ("t", "x", "Int64", "", ""), ("t", "_topic", "String", "", ""),
+        ("t", "_partition", "UInt32", "", ""), ("t", "_offset", "UInt64", "", "")]}
     assert make_writer(with_columns, []).check_tables(["db.t"]) == []
 
 

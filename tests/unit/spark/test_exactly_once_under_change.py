@@ -399,8 +399,12 @@ def test_every_message_exactly_once_with_its_values_while_everything_changes(
             raise TableNotFound(f"{table} does not exist")
         return list(live[table])
 
-    saved = task.live_columns
+    def columns_many(config: Any, topic: Any, tables: Any) -> dict[str, list[Column]]:
+        return {t: columns(config, topic, t) for t in tables}
+
+    saved = task.live_columns, task.live_columns_many
     task.live_columns = columns
+    task.live_columns_many = columns_many
     components._CACHE.clear()
     try:
         world.register_table(TABLES[0])
@@ -423,5 +427,5 @@ def test_every_message_exactly_once_with_its_values_while_everything_changes(
         world.heal()
         world.check()
     finally:
-        task.live_columns = saved
+        task.live_columns, task.live_columns_many = saved
         components._CACHE.clear()

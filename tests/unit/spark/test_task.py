@@ -160,7 +160,7 @@ def test_live_columns_refuses_a_table_that_would_not_drop_a_retried_block(
                 raise DedupNotConfigured("table db.plain uses MergeTree")
             return []
 
-        def describe(self, table: str) -> Any:
+        def checked(self, table: str) -> Any:
             return type("Info", (), {"columns": ["c"]})()
 
     monkeypatch.setattr(task, "describer", lambda config, topic: Writer())
