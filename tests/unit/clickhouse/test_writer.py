@@ -316,10 +316,9 @@ def test_a_table_without_coordinates_is_refused_on_a_content_hash_server() -> No
     assert make_writer(with_columns, []).check_tables(["db.t"]) == []
 
 
-COLUMNS_QUERY = ("SELECT name, type, default_kind, default_expression FROM system.columns "
-                 "WHERE database = %(db)s AND table = %(t)s")
-COORDINATE_ROWS = [("x", "Int64", "", ""), ("_topic", "String", "", ""),
-                   ("_partition", "UInt32", "", ""), ("_offset", "UInt64", "", "")]
+COLUMNS_QUERY = COLUMNS
+COORDINATE_ROWS = [("t", "x", "Int64", "", ""), ("t", "_topic", "String", "", ""),
+                   ("t", "_partition", "UInt32", "", ""), ("t", "_offset", "UInt64", "", "")]
 
 
 def test_a_table_shared_with_another_kafka_cluster_needs_the_incarnation_on_18_16() -> None:
@@ -343,11 +342,11 @@ def test_a_table_shared_with_another_kafka_cluster_needs_the_incarnation_on_18_1
     assert make_writer(script, [], version="22.3.1",
                        shared_with_other_kafka_clusters=True).check_tables(["db.t"]) == []
     for kind, typ in (("", "UInt32"), ("MATERIALIZED", "UInt64")):
-        wrong = {**script, COLUMNS_QUERY: [*COORDINATE_ROWS, ("_incarnation", typ, kind, "")]}
+        wrong = {**script, COLUMNS_QUERY: [*COORDINATE_ROWS, ("t", "_incarnation", typ, kind, "")]}
         with pytest.raises(IncarnationMissing, match=f"has _incarnation {typ}"):
             make_writer(wrong, [], shared_with_other_kafka_clusters=True).check_tables(
                 ["db.t"])
-    marked = {**script, COLUMNS_QUERY: [*COORDINATE_ROWS, ("_incarnation", "UInt64",
+    marked = {**script, COLUMNS_QUERY: [*COORDINATE_ROWS, ("t", "_incarnation", "UInt64",
                                                            "DEFAULT", "0")]}
     assert make_writer(marked, [], shared_with_other_kafka_clusters=True).check_tables(
         ["db.t"]) == []
