@@ -39,6 +39,7 @@ version 3 Basic Multilingual Plane characters without surrogates: valid UTF-8 wi
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from itertools import accumulate
@@ -556,3 +557,47 @@ def _decode_pins(raw: object) -> Pins:
         return Pins(*raw)
     except MetadataError as exc:
         raise MetadataDecodeError(f"bad pins in the metadata body: {exc}") from exc
+
+
+def worst_case_length(table_ids: Iterable[int], span: int) -> int:
+    """The longest intent :func:`encode` can write for a partition listing a block of
+    every table of ``table_ids`` in a batch range of ``span`` offsets, with every pin,
+    the attempt and its time at their widest: the fixed-width layout with both offset
+    columns ``span - 1`` wide (the encoder writes it or a shorter one). The start-up
+    check compares it with ``offset.metadata.max.bytes`` before anything is committed."""
+    ids = sorted(set(table_ids))
+    gaps = [b - a for a, b in zip([0, *ids], ids, strict=False)]
+    far = max(span - 1, 0)
+    packed, widths = _pack_bits([v for gap in gaps for v in (gap, far, far)])
+    header = [2**64 - 1, _MAX_OFFSET, _MAX_OFFSET, _MAX_OFFSET, _MAX_OFFSET]
+    tail = [[_MAX_OFFSET, 2**64 - 1, int(DedupMode.TOKEN), _MAX_OFFSET], [2**32 - 1, 2**40 - 1]]
+    body = msgpack.packb([*header, packed, widths, *tail], use_bin_type=True)
+    return len(PREFIX_WIDE) + -(-(8 * len(body) + 1) // WIDE_BITS)
+
+
+def budget_refusal(table_ids: Iterable[int], span: int, max_bytes: int,
+                   broker_max_bytes: int | None) -> str | None:
+    """Why the job must not start with these tables and batch ranges (one line naming
+    the settings and the value to set), or ``None`` when every intent fits.
+
+    ``max_bytes`` is the job's ``offset_metadata_max_bytes``; ``broker_max_bytes`` the
+    brokers' ``offset.metadata.max.bytes`` as they describe it (``None``: not known).
+    A broker below the job's setting refuses first: the job would encode strings the
+    broker rejects, at the first intent, after the batch began."""
+    if broker_max_bytes is not None and broker_max_bytes < max_bytes:
+        return (f"the brokers' offset.metadata.max.bytes is {broker_max_bytes}, below the "
+                f"job's offset_metadata_max_bytes = {max_bytes}: commits the job would make "
+                f"are refused by the brokers; set offset_metadata_max_bytes = "
+                f"{broker_max_bytes} in [job] or offset.metadata.max.bytes >= {max_bytes} "
+                "on every broker")
+    ids = set(table_ids)
+    need = worst_case_length(ids, span)
+    if need <= longest_metadata(max_bytes):
+        return None
+    value = need + CLIENT_TERMINATOR_BYTES
+    return (f"metadata for {len(ids)} tables in batch ranges of {span} offsets "
+            f"per partition needs up to {need} bytes, over the {longest_metadata(max_bytes)} "
+            f"that offset.metadata.max.bytes = {max_bytes} allows: set "
+            f"offset.metadata.max.bytes >= {value} on every broker and "
+            f"offset_metadata_max_bytes = {value} in [job], or lower "
+            "[job] max_offsets_per_trigger")

@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from blockagg.aggregator.core.exceptions import MetadataDecodeError, MetadataError, MetadataTooLarge
 from blockagg.aggregator.core.metadata import (
     DEFAULT_MAX_BYTES,
+    NO_PINS,
     PREFIX,
     PREFIX_WIDE,
-    NO_PINS,
     BlockRange,
-    Pins,
     Metadata,
+    Pins,
     decode,
     encode,
     encode_base85,
