@@ -92,3 +92,11 @@ def test_the_limit_counts_the_clients_nul() -> None:
     need = worst_case_length(list(range(3_001)), 10_000)
     assert budget_refusal(list(range(3_001)), 10_000, need + 1, None) is None
     assert budget_refusal(list(range(3_001)), 10_000, need, None) is not None
+
+
+def test_running_md_shows_the_refusal_line() -> None:
+    from pathlib import Path
+
+    line = budget_refusal(list(range(5_001)), 1_000_000, 4096, 4096)
+    assert line is not None
+    assert f"\n{line}\n" in (Path(__file__).parents[3] / "docs" / "running.md").read_text()
