@@ -76,9 +76,10 @@ def broker_retention_minutes(admin: Any, timeout: float = 10.0) -> int | None:
 
 def with_attempt(text: str, nonce: int) -> str:
     """``text`` re-encoded as written by the attempt ``nonce``, everything else the same
-    (the verifier reads the same metadata). Nonces all encode to five bytes, so the
-    length is kept; foreign or undecodable text, and text written before nonces existed
-    (which the nonce would lengthen, perhaps past the broker's limit), stay unchanged."""
+    (the verifier reads the same metadata), in version 3 (``ba3:``), never longer than
+    ``text``: nonces all encode to five bytes, and a base85 string's body is shorter in
+    base32768. Foreign or undecodable text, and text the re-encoding would lengthen,
+    stay unchanged."""
     if not is_blockagg(text):
         return text
     try:

@@ -39,7 +39,7 @@ from blockagg.aggregator.clickhouse.writer import tls_arguments
 from blockagg.aggregator.config import Config
 from blockagg.aggregator.exceptions import ConfigError
 from blockagg.aggregator.kafka import durability
-from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
+from blockagg.aggregator.kafka.exceptions import MetadataBudgetTooSmall, UnsafeKafkaDurability
 from blockagg.aggregator.kafka.startup import DEFAULT_TIMEOUT, check_topics
 from blockagg.spark import ownership
 from blockagg.spark.exceptions import JobError
@@ -247,6 +247,51 @@ def check_durability(config: Config, found: Mapping[str, int],
     return result
 
 
+UNBOUNDED_SPAN = 2**31
+"""The batch range the metadata budget is judged at without ``max_offsets_per_trigger``
+(then only warned about: Spark's batches have no bound)."""
+
+
+def broker_metadata_max_bytes(config: Config, timeout: float = DEFAULT_TIMEOUT) -> int | None:
+    """The brokers' ``offset.metadata.max.bytes`` (one broker's: they must agree), or
+    ``None`` when the cluster does not say (no DescribeConfigs permission)."""
+    from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
+
+    admin = AdminClient(logs.kafka_client_config(config.kafka.librdkafka_config()))
+    try:
+        brokers = admin.list_topics(timeout=timeout).brokers
+        resource = ConfigResource(ConfigResource.Type.BROKER, str(min(brokers)))
+        configs = admin.describe_configs([resource], request_timeout=timeout)[resource]
+        return int(configs.result(timeout=timeout)["offset.metadata.max.bytes"].value)
+    except Exception:
+        return None
+
+
+def check_metadata_budget(config: Config, table_ids: Iterable[int],
+                          broker_max_bytes: int | None) -> None:
+    """Refuse the start (:class:`MetadataBudgetTooSmall`) when an intent listing every
+    registered table and the dead-letter table, in a batch range of
+    ``job.max_offsets_per_trigger`` offsets per partition, could exceed
+    ``offset.metadata.max.bytes``, or when the brokers' limit is below the job's:
+    before anything is committed, instead of a ``MetadataTooLarge`` at the first
+    large intent (``core.metadata.budget_refusal``)."""
+    from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, budget_refusal
+
+    ids = sorted({DEAD_LETTER_TABLE_ID, *table_ids})
+    span = config.job.max_offsets_per_trigger
+    refusal = budget_refusal(ids, span or UNBOUNDED_SPAN,
+                             config.job.offset_metadata_max_bytes, broker_max_bytes)
+    if refusal is None:
+        return
+    broker_short = (broker_max_bytes is not None
+                    and broker_max_bytes < config.job.offset_metadata_max_bytes)
+    if span is None and not broker_short:
+        logs.event(log, refusal + " (no max_offsets_per_trigger: judged at "
+                   f"{UNBOUNDED_SPAN} offsets)", level=30)
+        return
+    raise MetadataBudgetTooSmall(refusal)
+
+
 def run(config: Config, clickhouse: bool = True, run_id: str = "",
         tables: TableGuard | None = None, spark: bool = False,
         metrics: JobMetrics | None = None) -> None:
@@ -277,6 +322,10 @@ def run(config: Config, clickhouse: bool = True, run_id: str = "",
                           config.clickhouse.password.reveal(), timeout, tls=tls)
              for r in replicas),
             config.dead_letters.table)
+    if tables is not None:
+        current = getattr(tables.components.registry(config), "current", None)
+        if current is not None:
+            check_metadata_budget(config, current().tables(), broker_metadata_max_bytes(config))
     if clickhouse and tables is not None:
         tables.check_tables(topic_partitions(config, found))
     ownership.check(config, found, clickhouse, run_id)

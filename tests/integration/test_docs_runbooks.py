@@ -107,6 +107,11 @@ BLOCKS: dict[tuple[str, str, str], str] = {
      "--entity-name orders --add-config min.insync.replicas=2; or accept the risk with "
      "kafka.allow_unsafe_durability = true (--set kafka.allow_unsafe_durability=true)"):
         OUTPUT + " (tests/unit/core/test_kafka_durability.py checks it is the line)",
+    ("running.md", "", "metadata for 5001 tables in batch ranges of 1000000 offsets per "
+     "partition needs up to 13728 bytes, over the 4095 that offset.metadata.max.bytes = 4096 "
+     "allows: set offset.metadata.max.bytes >= 13729 on every broker and "
+     "offset_metadata_max_bytes = 13729 in [job], or lower [job] max_offsets_per_trigger"):
+        OUTPUT + " (tests/unit/spark/test_preflight_metadata.py checks it is the line)",
     ("running.md", "sql", "DETACH TABLE db.t;"): HERE,
     ("running.md", "sh", "spark-submit ... blockagg/spark/job.py --config blockagg.toml \\"):
         HERE,

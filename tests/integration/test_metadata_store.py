@@ -78,8 +78,7 @@ def test_the_encoders_limit_is_the_brokers_less_the_clients_nul(
     store.commit(topic, 0, 1, "x" * longest)
     with pytest.raises(OffsetMetadataTooLarge):
         store.commit(topic, 0, 1, "x" * (longest + 1))
-    # Base85 has no encoding of 4095 characters: 4094 is the longest there is.
-    fits = encode(metadata_of_length(longest - 1))
+    fits = encode(metadata_of_length(longest))
     store.commit(topic, 0, 1_000_000, fits)
     committed = store.committed(topic, 0)
     assert committed is not None and committed.metadata == fits
@@ -97,6 +96,52 @@ def test_500_table_metadata_is_accepted_by_the_broker(
     store.commit(topic, 0, start + 100, text)
     committed = store.committed(topic, 0)
     assert committed is not None and committed.metadata == text
+
+
+def test_the_broker_counts_characters_so_a_4095_character_version_3_string_fits(
+    store: KafkaMetadataStore, new_topic: Callable[..., str]
+) -> None:
+    """Version 3's characters take 3 bytes in UTF-8, but the broker compares
+    String.length() (UTF-16 units) with offset.metadata.max.bytes: 4095 of them pass,
+    4096 are refused, and the string reads back unchanged."""
+    topic = new_topic(prefix="ms")
+    wide = "\u4e00" * longest_metadata(DEFAULT_MAX_BYTES)
+    store.commit(topic, 0, 1, wide)
+    committed = store.committed(topic, 0)
+    assert committed is not None and committed.metadata == wide
+    with pytest.raises(OffsetMetadataTooLarge):
+        store.commit(topic, 0, 1, wide + "\u4e00")
+
+
+def test_1000_table_metadata_is_accepted_by_the_broker(
+    store: KafkaMetadataStore, new_topic: Callable[..., str]
+) -> None:
+    """Every block's ends anywhere in a million-offset batch (the worst case)."""
+    topic = new_topic(prefix="ms")
+    start, end = 1_000_000, 2_000_000
+    blocks = tuple(BlockRange(t, start + (t * 7_919**2) % 500_000,
+                              end - 1 - (t * 104_729) % 400_000) for t in range(1, 1_001))
+    text = encode(Metadata(2**64 - 1, 1, start, end, start, blocks))
+    assert len(text) <= 4095 and len(text.encode()) > 4096
+    store.commit(topic, 0, start, text)
+    committed = store.committed(topic, 0)
+    assert committed is not None and decode(committed.metadata) == decode(text)
+
+
+def test_the_brokers_offset_metadata_max_bytes_is_read_at_start(kafka_bootstrap: str) -> None:
+    from blockagg.aggregator.config import loads
+    from blockagg.spark.preflight import broker_metadata_max_bytes
+
+    config = loads(f"""
+[job]
+checkpoint_location = "/tmp/ck"
+[kafka]
+"bootstrap.servers" = "{kafka_bootstrap}"
+[[topics]]
+name = "orders"
+replicas = ["ch:9000"]
+""")
+    assert broker_metadata_max_bytes(config) == DEFAULT_MAX_BYTES
 
 
 def test_batch_crashed_after_its_intent_is_retried_exactly_once(

@@ -18,7 +18,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockagg.aggregator.core.exceptions import MetadataDecodeError
-from blockagg.aggregator.core.metadata import PREFIX, PREFIX_PINNED, decode, encode
+from blockagg.aggregator.core.metadata import (
+    PREFIX,
+    PREFIX_PINNED,
+    PREFIX_WIDE,
+    decode,
+    encode,
+    encode_base85,
+)
 from blockagg.aggregator.kafka.exceptions import OffsetsDecodeError
 from blockagg.aggregator.kafka.offsets_codec import (
     OffsetCommitKey,
@@ -64,7 +71,8 @@ def test_the_crafted_31_byte_string_is_a_decode_error_within_the_limit() -> None
 
 
 def test_metadata_strings_decode_or_raise_their_error() -> None:
-    valid = metadatas().map(lambda m: encode(m, max_bytes=1 << 20))
+    valid = metadatas().map(lambda m: encode_base85(m, max_bytes=1 << 20))
+    wide = metadatas().map(lambda m: encode(m, max_bytes=1 << 20))
 
     @FUZZ
     @given(st.one_of(
@@ -72,6 +80,10 @@ def test_metadata_strings_decode_or_raise_their_error() -> None:
         st.binary(max_size=200).map(lambda b: _rewrap(PREFIX_PINNED, b)),
         st.text(max_size=80).map(lambda t: PREFIX + t),
         valid,
+        wide,
+        st.text(max_size=80).map(lambda t: PREFIX_WIDE + t),
+        wide.flatmap(lambda text: mutated(st.just(text.encode())).map(
+            lambda raw: raw.decode("utf-8", "replace"))),
         valid.flatmap(lambda text: mutated(st.just(_metadata_body(text))).map(
             lambda body: _rewrap(text[:len(PREFIX)], body))),
         valid.flatmap(lambda text: mutated(st.just(text.encode())).map(

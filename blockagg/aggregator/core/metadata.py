@@ -21,21 +21,25 @@ or, when strictly shorter, ``msgpack([run, batch, start, end, resume, packed,
 [blocks, w1, w2, w3]])``; with pins, ``"ba2:" + base85(msgpack([run, batch, start,
 end, resume, packed, widths or nil, [registry, incarnation, dedup(, structure)](,
 [attempt(, since_s)])]))``: a commit that records its attempt uses the ``ba2:`` layout
-even without pins. Either
+even without pins. Version 3 (``ba3:``, every commit written since issue 28) is
+version 2's body (pins ``[0, 0, 0]`` when none) in base32768 instead of base85: 15
+bits per character, each in ``[U+4E00, U+CE00)``, 2.3 times shorter as the broker
+counts (``String.length()``, UTF-16 units). Either
 way the block list holds three values per block, sorted by table id:
 ``table_id - previous_table_id`` (the first one raw), ``first - start`` and
 ``end - 1 - last``; the varint layout packs them as unsigned LEB128 varints, the
 fixed-width one as bit fields (each column as wide as its largest value, MSB first,
 zero-padded). The fixed-width layout bounds a block at about ``log2(tables) + 2 *
 log2(batch range)`` bits, so 500 tables fit the broker's default 4096-byte limit for
-batch ranges up to about a million offsets wherever the blocks lie. Offsets
-themselves are 64-bit. The string is ASCII, so
-valid UTF-8 without NUL.
+batch ranges up to about a million offsets wherever the blocks lie in base85, and
+1,000 tables in base32768. Offsets themselves are 64-bit. Versions 1 and 2 are ASCII,
+version 3 Basic Multilingual Plane characters without surrogates: valid UTF-8 without NUL.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from itertools import accumulate
@@ -53,7 +57,19 @@ PREFIX: Final = "ba1:"
 PREFIX_PINNED: Final = "ba2:"
 """Version 2 of the layout: version 1's body followed by the :class:`Pins`."""
 
-PREFIXES: Final = (PREFIX, PREFIX_PINNED)
+PREFIX_WIDE: Final = "ba3:"
+"""Version 3: version 2's body in base32768 (15 bits per character) instead of
+base85 (6.4), the layout every commit is written in since issue 28."""
+
+PREFIXES: Final = (PREFIX, PREFIX_PINNED, PREFIX_WIDE)
+
+WIDE_FIRST: Final = 0x4E00
+"""The first code point of base32768's alphabet: ``U+4E00 + value`` for each 15-bit
+value, so every character lies in ``[U+4E00, U+CE00)``: in the Basic Multilingual
+Plane (one UTF-16 unit, which is what the broker's ``String.length()`` counts against
+``offset.metadata.max.bytes``), below the surrogates, never NUL."""
+
+WIDE_BITS: Final = 15
 
 DEFAULT_MAX_BYTES: Final = 4096
 """Kafka's default ``offset.metadata.max.bytes``."""
@@ -369,14 +385,9 @@ def _unpack_bits(data: bytes, widths: object) -> list[int]:
     return values
 
 
-def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
-    """Encode ``metadata`` as the string committed with the offset.
-
-    Raises :class:`MetadataTooLarge` (naming ``offset.metadata.max.bytes``) when the
-    result is longer than :func:`longest_metadata` of ``max_bytes`` (the client's
-    trailing NUL counts against the broker's limit), so the caller fails before
-    inserting instead of the broker refusing the commit on every retry.
-    """
+def _body(metadata: Metadata, pinned: bool) -> bytes:
+    """The msgpack body: version 1's (``pinned=False``, only without pins and
+    attempt) or version 2's, whichever of its two block layouts is shorter."""
     fields: list[int] = []
     previous = 0
     for block in metadata.blocks:
@@ -391,7 +402,7 @@ def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
     header = [metadata.run, metadata.batch, metadata.start, metadata.end, metadata.resume]
     pins = metadata.pins
     tail: list[object] = []
-    if pins != NO_PINS or metadata.attempt or metadata.since_s:
+    if pinned:
         tail = [[pins.registry, pins.incarnation, int(pins.dedup),
                  *([pins.structure] if pins.structure else [])]]
     if metadata.attempt or metadata.since_s:
@@ -400,8 +411,58 @@ def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
                             use_bin_type=True)
     packed, widths = _pack_bits(fields)
     bits = msgpack.packb([*header, packed, widths, *tail], use_bin_type=True)
-    prefix = PREFIX_PINNED if tail else PREFIX
-    text = prefix + _b85encode(bits if len(bits) < len(varints) else varints)
+    body: bytes = bits if len(bits) < len(varints) else varints
+    return body
+
+
+def _wide_encode(data: bytes) -> str:
+    """Base32768: ``data``'s bits, then a 1 bit and zeros up to a multiple of 15, as
+    one character ``U+4E00 + value`` per 15 bits (MSB first)."""
+    bits = np.concatenate((np.unpackbits(np.frombuffer(data, dtype=np.uint8)),
+                           np.ones(1, dtype=np.uint8)))
+    bits = np.concatenate((bits, np.zeros(-bits.size % WIDE_BITS, dtype=np.uint8)))
+    weights = np.uint32(1) << np.arange(WIDE_BITS - 1, -1, -1, dtype=np.uint32)
+    values = bits.reshape(-1, WIDE_BITS).astype(np.uint32) @ weights + np.uint32(WIDE_FIRST)
+    return values.astype("<u4").tobytes().decode("utf-32-le")
+
+
+def _wide_decode(text: str) -> bytes:
+    """The bytes of :func:`_wide_encode`; raises :class:`MetadataDecodeError`."""
+    values = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    values = values.astype(np.int64) - WIDE_FIRST
+    if values.size == 0 or ((values < 0) | (values >= 1 << WIDE_BITS)).any():
+        raise MetadataDecodeError("metadata body is not base32768")
+    shifts = np.arange(WIDE_BITS - 1, -1, -1, dtype=np.int64)
+    bits = ((values[:, None] >> shifts) & 1).astype(np.uint8).reshape(-1)
+    ones = np.flatnonzero(bits)
+    if ones.size == 0 or bits.size - ones[-1] > WIDE_BITS or ones[-1] % 8:
+        raise MetadataDecodeError("bad padding at the end of the base32768 metadata body")
+    return np.packbits(bits[: ones[-1]]).tobytes()
+
+
+def encode(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    """Encode ``metadata`` as the string committed with the offset (version 3,
+    ``ba3:``).
+
+    Raises :class:`MetadataTooLarge` (naming ``offset.metadata.max.bytes``) when the
+    result is longer than :func:`longest_metadata` of ``max_bytes`` (the client's
+    trailing NUL counts against the broker's limit), so the caller fails before
+    inserting instead of the broker refusing the commit on every retry.
+    """
+    return _checked(PREFIX_WIDE + _wide_encode(_body(metadata, pinned=True)), metadata,
+                    max_bytes)
+
+
+def encode_base85(metadata: Metadata, max_bytes: int = DEFAULT_MAX_BYTES) -> str:
+    """The version 1 or 2 string (base85, ASCII) the job wrote before version 3:
+    kept to prove that the decoder reads them alike (``tests/unit/core``) and for
+    the size comparison in ``bench/bench_metadata.py``."""
+    pinned = metadata.pins != NO_PINS or bool(metadata.attempt or metadata.since_s)
+    prefix = PREFIX_PINNED if pinned else PREFIX
+    return _checked(prefix + _b85encode(_body(metadata, pinned)), metadata, max_bytes)
+
+
+def _checked(text: str, metadata: Metadata, max_bytes: int) -> str:
     if len(text) > longest_metadata(max_bytes):
         raise MetadataTooLarge(
             f"metadata for {len(metadata.blocks)} tables encodes to {len(text)} bytes, over "
@@ -422,11 +483,14 @@ def decode(text: str) -> Metadata:
     if not text.startswith(PREFIXES):
         shown = text if len(text) <= 40 else text[:40] + "..."
         raise MetadataDecodeError(
-            f"not blockagg metadata (expected prefix {PREFIX!r} or {PREFIX_PINNED!r}): "
-            f"{shown!r}")
-    pinned = text.startswith(PREFIX_PINNED)
+            f"not blockagg metadata (expected prefix {PREFIX!r}, {PREFIX_PINNED!r} or "
+            f"{PREFIX_WIDE!r}): {shown!r}")
+    pinned = text.startswith((PREFIX_PINNED, PREFIX_WIDE))
     try:
-        body = _b85decode(text[len(PREFIX):])
+        if text.startswith(PREFIX_WIDE):
+            body = _wide_decode(text[len(PREFIX_WIDE):])
+        else:
+            body = _b85decode(text[len(PREFIX):])
         fields = msgpack.unpackb(body, raw=False, strict_map_key=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise MetadataDecodeError(f"corrupt metadata body: {exc}") from exc
@@ -493,3 +557,47 @@ def _decode_pins(raw: object) -> Pins:
         return Pins(*raw)
     except MetadataError as exc:
         raise MetadataDecodeError(f"bad pins in the metadata body: {exc}") from exc
+
+
+def worst_case_length(table_ids: Iterable[int], span: int) -> int:
+    """The longest intent :func:`encode` can write for a partition listing a block of
+    every table of ``table_ids`` in a batch range of ``span`` offsets, with every pin,
+    the attempt and its time at their widest: the fixed-width layout with both offset
+    columns ``span - 1`` wide (the encoder writes it or a shorter one). The start-up
+    check compares it with ``offset.metadata.max.bytes`` before anything is committed."""
+    ids = sorted(set(table_ids))
+    gaps = [b - a for a, b in zip([0, *ids], ids, strict=False)]
+    far = max(span - 1, 0)
+    packed, widths = _pack_bits([v for gap in gaps for v in (gap, far, far)])
+    header = [2**64 - 1, _MAX_OFFSET, _MAX_OFFSET, _MAX_OFFSET, _MAX_OFFSET]
+    tail = [[_MAX_OFFSET, 2**64 - 1, int(DedupMode.TOKEN), _MAX_OFFSET], [2**32 - 1, 2**40 - 1]]
+    body = msgpack.packb([*header, packed, widths, *tail], use_bin_type=True)
+    return len(PREFIX_WIDE) + -(-(8 * len(body) + 1) // WIDE_BITS)
+
+
+def budget_refusal(table_ids: Iterable[int], span: int, max_bytes: int,
+                   broker_max_bytes: int | None) -> str | None:
+    """Why the job must not start with these tables and batch ranges (one line naming
+    the settings and the value to set), or ``None`` when every intent fits.
+
+    ``max_bytes`` is the job's ``offset_metadata_max_bytes``; ``broker_max_bytes`` the
+    brokers' ``offset.metadata.max.bytes`` as they describe it (``None``: not known).
+    A broker below the job's setting refuses first: the job would encode strings the
+    broker rejects, at the first intent, after the batch began."""
+    if broker_max_bytes is not None and broker_max_bytes < max_bytes:
+        return (f"the brokers' offset.metadata.max.bytes is {broker_max_bytes}, below the "
+                f"job's offset_metadata_max_bytes = {max_bytes}: commits the job would make "
+                f"are refused by the brokers; set offset_metadata_max_bytes = "
+                f"{broker_max_bytes} in [job] or offset.metadata.max.bytes >= {max_bytes} "
+                "on every broker")
+    ids = set(table_ids)
+    need = worst_case_length(ids, span)
+    if need <= longest_metadata(max_bytes):
+        return None
+    value = need + CLIENT_TERMINATOR_BYTES
+    return (f"metadata for {len(ids)} tables in batch ranges of {span} offsets "
+            f"per partition needs up to {need} bytes, over the {longest_metadata(max_bytes)} "
+            f"that offset.metadata.max.bytes = {max_bytes} allows: set "
+            f"offset.metadata.max.bytes >= {value} on every broker and "
+            f"offset_metadata_max_bytes = {value} in [job], or lower "
+            "[job] max_offsets_per_trigger")

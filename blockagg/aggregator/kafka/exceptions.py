@@ -69,3 +69,10 @@ class UnsafeKafkaDurability(KafkaAdapterError):
     """A topic the job depends on is configured so that Kafka itself could lose an
     acknowledged record (``kafka.durability``): refused at start unless
     ``kafka.allow_unsafe_durability``."""
+
+
+class MetadataBudgetTooSmall(KafkaAdapterError, MetadataTooLarge):
+    """Refused at start, before anything is committed: an intent for the registered
+    tables at the configured batch range could exceed ``offset.metadata.max.bytes``,
+    or the brokers' ``offset.metadata.max.bytes`` is below the job's
+    ``offset_metadata_max_bytes``. The message names the value to set."""

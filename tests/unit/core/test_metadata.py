@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 
 import msgpack
 import pytest
@@ -15,11 +16,15 @@ from hypothesis import strategies as st
 from blockagg.aggregator.core.exceptions import MetadataDecodeError, MetadataError, MetadataTooLarge
 from blockagg.aggregator.core.metadata import (
     DEFAULT_MAX_BYTES,
+    NO_PINS,
     PREFIX,
+    PREFIX_WIDE,
     BlockRange,
     Metadata,
+    Pins,
     decode,
     encode,
+    encode_base85,
     longest_metadata,
 )
 from tests.unit.core.fakes import metadata_of_length
@@ -57,9 +62,17 @@ def test_round_trip_preserves_every_field(metadata: Metadata) -> None:
 
 @settings(max_examples=100, derandomize=True)
 @given(metadatas())
-def test_encoded_metadata_is_ascii_without_nul(metadata: Metadata) -> None:
+def test_encoded_metadata_is_one_utf16_unit_per_character_without_nul(
+        metadata: Metadata) -> None:
+    """Version 3: every character of the body in [U+4E00, U+CE00), so valid UTF-8,
+    no NUL, and each one UTF-16 unit (what the broker's limit counts); the earlier
+    base85 versions stay ASCII."""
     text = encode(metadata, max_bytes=1 << 20)
-    assert text.startswith(PREFIX) and text.isascii() and "\x00" not in text
+    assert text.startswith(PREFIX_WIDE) and "\x00" not in text
+    assert all(0x4E00 <= ord(c) < 0xCE00 for c in text[len(PREFIX_WIDE):])
+    assert len(text.encode("utf-16-le")) == 2 * len(text)
+    old = encode_base85(metadata, max_bytes=1 << 20)
+    assert old.startswith(PREFIX) and old.isascii() and "\x00" not in old
 
 
 def test_500_tables_fit_the_default_limit_for_a_100k_offset_batch() -> None:
@@ -92,7 +105,7 @@ def test_500_tables_fit_a_mid_batch_intent_over_a_million_offsets() -> None:
 def test_too_large_raises_naming_offset_metadata_max_bytes() -> None:
     blocks = tuple(
         BlockRange(t, (t * 7_919**3) % 2**40, (t * 7_919**3) % 2**40 + (t * 104_729) % 2**38)
-        for t in range(1, 501)
+        for t in range(1, 2001)
     )
     metadata = Metadata(1, 1, 0, 2**41, 0, blocks)
     with pytest.raises(MetadataTooLarge, match=r"offset\.metadata\.max\.bytes"):
@@ -205,8 +218,38 @@ def reference_encode(metadata: Metadata) -> str:
 @given(metadatas())
 def test_wire_format_is_the_documented_layout(metadata: Metadata) -> None:
     text = reference_encode(metadata)
+    assert encode_base85(metadata, max_bytes=1 << 20) == text
+    assert decode(text) == metadata
+
+
+def reference_wide(metadata: Metadata) -> str:
+    """Version 3 written the plain way: version 2's body (pins ``[0, 0, 0]`` when
+    none) as a string of bits, a 1, zeros to a multiple of 15, a character
+    ``U+4E00 + value`` per 15 bits."""
+    pinned = metadata if metadata.pins != NO_PINS else dataclasses.replace(
+        metadata, pins=Pins(registry=1))
+    body = msgpack.unpackb(base64.b85decode(encode_base85(pinned, max_bytes=1 << 20)[4:]))
+    body[7] = [0, 0, 0] if metadata.pins == NO_PINS else body[7]
+    bits = "".join(format(b, "08b") for b in msgpack.packb(body, use_bin_type=True)) + "1"
+    bits += "0" * (-len(bits) % 15)
+    return PREFIX_WIDE + "".join(chr(0x4E00 + int(bits[i:i + 15], 2))
+                                 for i in range(0, len(bits), 15))
+
+
+@settings(max_examples=300, derandomize=True)
+@given(metadatas())
+def test_version_3_is_the_documented_layout(metadata: Metadata) -> None:
+    text = reference_wide(metadata)
     assert encode(metadata, max_bytes=1 << 20) == text
     assert decode(text) == metadata
+
+
+@settings(max_examples=300, derandomize=True)
+@given(metadatas())
+def test_a_base85_string_written_before_version_3_decodes_alike(metadata: Metadata) -> None:
+    """A job upgraded mid-stream replays what the old version committed: the old
+    string and the new one decode to the same metadata."""
+    assert decode(reference_encode(metadata)) == decode(encode(metadata, 1 << 20)) == metadata
 
 
 @settings(max_examples=300, derandomize=True)

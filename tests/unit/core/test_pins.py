@@ -19,12 +19,14 @@ from blockagg.aggregator.core.metadata import (
     NO_PINS,
     PREFIX,
     PREFIX_PINNED,
+    PREFIX_WIDE,
     BlockRange,
     DedupMode,
     Metadata,
     Pins,
     decode,
     encode,
+    encode_base85,
     incarnation_of,
     is_blockagg,
 )
@@ -53,16 +55,20 @@ def test_round_trip_preserves_the_pins(metadata: Metadata, pins: Pins) -> None:
     pinned = dataclasses.replace(metadata, pins=pins)
     text = encode(pinned, max_bytes=1 << 20)
     assert decode(text) == pinned
-    assert text.startswith(PREFIX if pins == NO_PINS else PREFIX_PINNED)
-    assert is_blockagg(text) and text.isascii() and "\x00" not in text
+    assert text.startswith(PREFIX_WIDE) and is_blockagg(text) and "\x00" not in text
+    old = encode_base85(pinned, max_bytes=1 << 20)
+    assert decode(old) == pinned
+    assert old.startswith(PREFIX if pins == NO_PINS else PREFIX_PINNED)
+    assert is_blockagg(old) and old.isascii() and "\x00" not in old
 
 
 def test_metadata_without_pins_encodes_exactly_as_before() -> None:
     """Strings written before pins existed stay the strings written now for the same
     metadata, so an upgrade changes no committed string's meaning."""
     metadata = Metadata(7, 3, 100, 200, 120, (BlockRange(2, 120, 150),))
-    assert encode(metadata).startswith(PREFIX)
-    assert decode(encode(metadata)).pins == NO_PINS
+    assert encode_base85(metadata).startswith(PREFIX)
+    assert decode(encode_base85(metadata)).pins == NO_PINS
+    assert decode(encode(metadata)) == decode(encode_base85(metadata))
 
 
 def test_500_tables_with_pins_fit_the_default_limit() -> None:
@@ -83,8 +89,9 @@ def test_pins_without_a_structure_mark_encode_exactly_as_before() -> None:
     """An intent of a token-deduplicating server (no mark) is the string it was."""
     pins = Pins(registry=40, incarnation=OLD, dedup=DedupMode.TOKEN)
     metadata = Metadata(7, 3, 100, 200, 120, (BlockRange(2, 120, 150),), pins)
-    text = encode(metadata)
-    marked = encode(dataclasses.replace(metadata, pins=dataclasses.replace(pins, structure=9)))
+    text = encode_base85(metadata)
+    marked = encode_base85(
+        dataclasses.replace(metadata, pins=dataclasses.replace(pins, structure=9)))
     assert len(marked) > len(text)
     assert decode(text).pins.structure == 0 and decode(marked).pins.structure == 9
 

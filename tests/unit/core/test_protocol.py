@@ -220,7 +220,7 @@ def test_corrupt_metadata_of_ours_is_refused_as_a_decode_error() -> None:
 def test_metadata_too_large_refuses_before_any_operation() -> None:
     wide = [(o, 1 + o, 1) for o in range(200)]
     batch = make_batch(wide, 0, 200)
-    small = Thresholds(max_rows=1_000, max_bytes=1_000_000, max_metadata_bytes=300)
+    small = Thresholds(max_rows=1_000, max_bytes=1_000_000, max_metadata_bytes=150)
     store, sink = MemoryMetadataStore(), DedupSink()
     with pytest.raises(MetadataTooLarge, match=r"offset\.metadata\.max\.bytes"):
         process_batch(batch, store, sink, small, run=1, batch_id=0)

@@ -206,14 +206,14 @@ def test_an_intent_written_before_pins_replays_as_before(fds: bytes) -> None:
     """A ``ba1:`` intent (no pins): the replay takes the current registry and the
     server's mode and keeps the token format without incarnation, so its blocks are
     the ones the earlier version sent; the commits after it carry pins again."""
-    from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
+    from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode_base85
 
     store = MemoryStore()
     register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
     comps = Components(RegistryCache(store))
     legacy = Metadata(9, 3, 0, 3, 0, (BlockRange(1, 0, 1),))
-    assert encode(legacy).startswith("ba1:")
-    comps._store.commits[("t", 0)] = Committed(0, encode(legacy))
+    assert encode_base85(legacy).startswith("ba1:")
+    comps._store.commits[("t", 0)] = Committed(0, encode_base85(legacy))
     report = run(comps, [envelope(fds, "db.a", i) for i in range(3)])
     assert report["replayed_blocks"] == 1
     assert "blockagg:t:0:db.a:0-1" in comps._sink.blocks           # the old token format
