@@ -667,6 +667,10 @@ KAFKA_TOOLS: dict[str, str] = {
     "kafka-transactions": "org.apache.kafka.tools.TransactionsCommand",
     # running.md's hanging-transaction runbook reads the hanging commit with it
     "kafka-console-consumer": "org.apache.kafka.tools.consumer.ConsoleConsumer",
+    # the fault suite's cluster kinds: the KRaft quorum's leader, moving leaders
+    "kafka-metadata-quorum": "org.apache.kafka.tools.MetadataQuorumCommand",
+    "kafka-reassign-partitions": "org.apache.kafka.tools.reassign.ReassignPartitionsCommand",
+    "kafka-leader-election": "org.apache.kafka.tools.LeaderElectionCommand",
 }
 
 

@@ -4,8 +4,12 @@
 ports = defaults + 2000; see :mod:`tests.faults.stack`) so that killing its services
 never disturbs tests using the default stack, yields its :class:`StackControl`, and
 stops it when the session ends, so nothing of the suite outlives the test run.
-After each test that used it, every service is brought back up (``scripts/stack up``),
-so a scenario that failed half-way never leaves the next one without ZooKeeper.
+``cluster_fault_stack`` (module) is the three-broker, two-shard stack
+(:func:`~tests.faults.stack.cluster_stack_env`: ``.stack/cluster``, ports + 4000) for
+the cluster kinds, stopped at the end of its module.
+After each test that used one, every service of it (every Kafka node of a cluster) is
+resumed if stopped and brought back up (``scripts/stack up``), so a scenario that failed
+half-way never leaves the next one without ZooKeeper or a broker.
 """
 
 from __future__ import annotations
@@ -14,7 +18,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.faults.stack import StackControl, fault_stack_env
+from tests.faults.stack import StackControl, cluster_stack_env, fault_stack_env
+
+
+def restore(control: StackControl) -> None:
+    """Every service of ``control`` resumed (never left SIGSTOPped) and up."""
+    for service in control.services:
+        pid = control.pid(service)
+        if pid is not None:
+            control.resume(service, pid)
+    control.up()
 
 
 @pytest.fixture(scope="session")
@@ -31,8 +44,21 @@ def fault_stack() -> Iterator[StackControl]:
 @pytest.fixture
 def stack(fault_stack: StackControl) -> Iterator[StackControl]:
     yield fault_stack
-    for service in ("zookeeper", "kafka", "clickhouse-r1", "clickhouse-r2"):
-        pid = fault_stack.pid(service)
-        if pid is not None:
-            fault_stack.resume(service, pid)  # never leave a service SIGSTOPped
-    fault_stack.up()
+    restore(fault_stack)
+
+
+@pytest.fixture(scope="module")
+def cluster_fault_stack() -> Iterator[StackControl]:
+    try:
+        control = StackControl(cluster_stack_env())
+        control.up()
+    except RuntimeError as exc:
+        pytest.fail(f"the three-broker stack did not come up: {exc}")
+    yield control
+    control.down()
+
+
+@pytest.fixture
+def cluster_stack(cluster_fault_stack: StackControl) -> Iterator[StackControl]:
+    yield cluster_fault_stack
+    restore(cluster_fault_stack)

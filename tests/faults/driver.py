@@ -62,6 +62,21 @@ KINDS = (
     "topic_recreate",        # 13. the topic deleted and recreated (the operator's procedure)
 )
 
+CLUSTER_KINDS = (
+    "leader_kill9",             # kill -9 of the leader of a data partition
+    "group_coordinator_kill9",  # of the job's group coordinator (__consumer_offsets leader)
+    "txn_coordinator_kill9",    # of a partition's transaction coordinator (__transaction_state)
+    "controller_kill9",         # of the active controller (the KRaft quorum's leader)
+    "broker_pause",             # one node SIGSTOPped for a while, the other two go on
+    "rolling_restart",          # every node in turn: controlled shutdown, back, ISR full
+    "leader_move",              # reassignment to a new preferred replica + preferred election
+)
+"""Kinds drawn only on a three-broker stack (``--brokers 3``), each aimed at the node that
+matters at that moment, found from the cluster's own metadata when it is injected."""
+
+BROKER_PAUSE_S = (10.0, 60.0)
+"""How long ``broker_pause`` keeps its node stopped, drawn between the two."""
+
 WEIGHT = {"topic_recreate": 0.25}
 """How often a kind is drawn after the first of each, relative to 1 for the others:
 recreating the topic stops the job, deletes and recreates the topic and restarts the
@@ -273,12 +288,15 @@ def _wait(cond: Any, timeout: float, poll: float = 0.5) -> bool:
 
 
 def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
-           zookeeper_down_s: tuple[float, float] = (10, 25)) -> dict[str, Any]:
+           zookeeper_down_s: tuple[float, float] = (10, 25),
+           broker_pause_s: tuple[float, float] = BROKER_PAUSE_S) -> dict[str, Any]:
     """Inject one fault and recover from it; returns what was done and when the
     recovery (restart / network restored) completed, for time-to-recover."""
     started = time.monotonic()
     info: dict[str, Any] = {"kind": kind}
-    if kind == "driver_kill9":
+    if kind in CLUSTER_KINDS:
+        info.update(cluster_fault(kind, job, stack, rng, broker_pause_s))
+    elif kind == "driver_kill9":
         time.sleep(rng.uniform(0, 3))
         with job.lock:
             job.kill9()
@@ -307,9 +325,12 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
         info["seconds"] = round(seconds, 1)
         stack.unreachable_for("zookeeper", seconds)
     elif kind == "broker_kill9":
-        stack.kill9("kafka")
-        time.sleep(rng.uniform(1, 5))
-        stack.up()
+        if len(stack.broker_ids) > 1:  # a cluster: any node (a single broker: the same draws)
+            info.update(_kill9_node(stack, rng.choice(stack.broker_ids), rng))
+        else:
+            stack.kill9("kafka")
+            time.sleep(rng.uniform(1, 5))
+            stack.up()
     elif kind == "schema_change":
         info.update(job.workload.schema_change(rng, job.folder / "schemas"))
     elif kind == "alter_during_stall":
@@ -325,9 +346,71 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
             shutil.rmtree(job.checkpoint, ignore_errors=True)
             job.start()
     else:
-        raise ValueError(f"unknown fault kind {kind!r}; known: {KINDS}")
+        raise ValueError(f"unknown fault kind {kind!r}; known: {KINDS + CLUSTER_KINDS}")
     info["inject_s"] = round(time.monotonic() - started, 1)
     return info
+
+
+def _kill9_node(stack: StackControl, node: int, rng: random.Random) -> dict[str, Any]:
+    """kill -9 of Kafka node ``node``, a pause, ``scripts/stack up``, then every partition
+    back to its full ISR (the operator's recovery, before anything else is touched)."""
+    stack.kill9_broker(node)
+    time.sleep(rng.uniform(1, 5))
+    stack.up()
+    return {"node": node, "isr_s": round(stack.wait_in_sync(), 1)}
+
+
+def _job_partition(job: Job, rng: random.Random) -> int:
+    return rng.randrange(job.workload.partitions)
+
+
+def cluster_fault(kind: str, job: Job, stack: StackControl, rng: random.Random,
+                  pause_s: tuple[float, float] = BROKER_PAUSE_S) -> dict[str, Any]:
+    """One of :data:`CLUSTER_KINDS`: its target read from the cluster's metadata now (the
+    node leading a data partition, the job's group coordinator, a partition's
+    transaction coordinator, the KRaft quorum's leader), the fault, and the operator's
+    recovery: the node restarted or resumed, every partition back to its full ISR."""
+    if len(stack.broker_ids) < 3:
+        raise ValueError(f"{kind} needs a three-broker stack (--brokers 3); this one has "
+                         f"{len(stack.broker_ids)}")
+    from blockagg.aggregator.kafka.fencing import transactional_id
+
+    time.sleep(rng.uniform(0, 3))  # a random moment of the job's batches
+    workload = job.workload
+    if kind == "leader_kill9":
+        partition = _job_partition(job, rng)
+        node = stack.leader(workload.topic, partition)
+        return {"partition": partition, **_kill9_node(stack, node, rng)}
+    if kind == "group_coordinator_kill9":
+        return _kill9_node(stack, stack.group_coordinator(workload.group), rng)
+    if kind == "txn_coordinator_kill9":
+        partition = _job_partition(job, rng)
+        tid = transactional_id(workload.group, workload.topic, partition)
+        return {"transactional_id": tid,
+                **_kill9_node(stack, stack.transaction_coordinator(tid), rng)}
+    if kind == "controller_kill9":
+        return _kill9_node(stack, stack.active_controller(), rng)
+    if kind == "broker_pause":
+        node = rng.choice(stack.broker_ids)
+        seconds = rng.uniform(*pause_s)
+        with stack.paused(stack.broker_service(node)):
+            time.sleep(seconds)
+        return {"node": node, "seconds": round(seconds, 1),
+                "isr_s": round(stack.wait_in_sync(), 1)}
+    if kind == "rolling_restart":
+        took = {}
+        for node in stack.broker_ids:
+            started = time.monotonic()
+            stack.stop_broker(node)
+            stack.up()
+            stack.wait_in_sync()
+            took[str(node)] = round(time.monotonic() - started, 1)
+        return {"node_s": took}
+    if kind == "leader_move":
+        moved = stack.move_preferred_leaders(workload.topic)
+        return {"leaders": {str(p): list(m) for p, m in moved.items()},
+                "isr_s": round(stack.wait_in_sync(), 1)}
+    raise ValueError(f"unknown cluster fault kind {kind!r}; known: {CLUSTER_KINDS}")
 
 
 HOOK_WINDOW_S = 120.0
@@ -590,12 +673,14 @@ _RESOURCE: dict[str, tuple[str, ...]] = {
     "table_added": ("clickhouse",),
     "alter_during_stall": ("clickhouse", "hooks"),
     "topic_recreate": ("clickhouse", "driver", "hooks", "kafka"),
-    "broker_kill9": ("kafka",)}
+    "broker_kill9": ("kafka",),
+    **{kind: ("kafka",) for kind in CLUSTER_KINDS}}
 
 
 def resources(kinds: list[str] | tuple[str, ...] | None = None) -> set[str]:
     """Every resource that ``kinds`` (default: all) hold."""
-    return {r for k in (KINDS if kinds is None else kinds) for r in _RESOURCE[k]}
+    return {r for k in (KINDS + CLUSTER_KINDS if kinds is None else kinds)
+            for r in _RESOURCE[k]}
 
 
 _SPLIT_SHARE = {"schema_change", "alter_during_stall", "table_added", "topic_recreate"}
@@ -628,6 +713,7 @@ class _Run:
     zookeeper_down_s: tuple[float, float]
     started: float
     json_path: Path | None
+    broker_pause_s: tuple[float, float] = BROKER_PAUSE_S
     produce_lock: threading.Lock = field(default_factory=threading.Lock)
     record_lock: threading.Lock = field(default_factory=threading.Lock)
     resources: dict[str, threading.Lock] = field(
@@ -653,7 +739,8 @@ class _Run:
                 held.enter_context(self.resources[resource])
             producer = threading.Thread(target=self.produce, args=(during,), daemon=True)
             producer.start()
-            info = {"n": n, **inject(kind, job, self.stack, rng, self.zookeeper_down_s)}
+            info = {"n": n, **inject(kind, job, self.stack, rng, self.zookeeper_down_s,
+                                     self.broker_pause_s)}
             producer.join(timeout=600)
             if during < self.per_fault:
                 self.produce(self.per_fault - during)
@@ -714,7 +801,9 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
         zookeeper_down_s: tuple[float, float] = (10, 25),
         json_path: Path | None = None, master: str = "local[2,4]",
         py_files: list[Path] | None = None,
-        resume: Outcome | None = None) -> tuple[Outcome, Workload, Job]:
+        resume: Outcome | None = None,
+        broker_pause_s: tuple[float, float] = BROKER_PAUSE_S
+        ) -> tuple[Outcome, Workload, Job]:
     """``faults`` faults (:func:`plan`) while ``messages`` are produced; after each
     fault the job is kept running and must have stored everything produced up to the
     fault's recovery within ``settle_s`` (that wait is the time to recover).
@@ -735,7 +824,14 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     whole stack), the run goes on where it stopped: the same workload
     (:meth:`Workload.resume`, rebuilt from its topics), job folder and checkpoint, the
     faults of :func:`plan` it had not recorded, and first a full check, which then
-    also covers the kill of everything at once."""
+    also covers the kill of everything at once.
+
+    :data:`CLUSTER_KINDS` need a three-broker ``stack``; ``broker_pause_s`` bounds how
+    long ``broker_pause`` stops its node."""
+    cluster_only = [k for k in kinds if k in CLUSTER_KINDS]
+    if cluster_only and len(stack.broker_ids) < 3:
+        raise ValueError(f"{', '.join(cluster_only)} need a three-broker stack (--brokers 3); "
+                         f"this one has {len(stack.broker_ids)}")
     if resume is None:
         workload = Workload(stack.bootstrap, "127.0.0.1", stack.ch_ports, tables=tables,
                             partitions=partitions, rows_per_message=rows_per_message,
@@ -760,7 +856,7 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     started = time.monotonic() - outcome.seconds
     per_fault = max(1, messages // max(1, faults + 1))
     shared = _Run(workload, job, stack, outcome, seed, per_fault, rate, settle_s,
-                  zookeeper_down_s, started, json_path)
+                  zookeeper_down_s, started, json_path, broker_pause_s)
     recorded = {int(e["n"]) for e in outcome.events}
     order = list(enumerate(plan(kinds, faults, seed)))
     step = check_every or faults or 1
@@ -859,7 +955,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partitions", type=int, default=4)
     ap.add_argument("--dead-every", type=int, default=97,
                     help="every Nth message is a bad envelope (a dead letter); 0 = none")
-    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--kinds", default=None,
+                    help="comma-separated fault kinds (default: every kind of KINDS, and "
+                         "CLUSTER_KINDS with --brokers 3)")
+    ap.add_argument("--brokers", type=int, choices=(1, 3), default=1,
+                    help="Kafka nodes of the private stack (3: RF 3, min.insync 2, and the "
+                         "cluster kinds)")
+    ap.add_argument("--shards", type=int, choices=(1, 2), default=1,
+                    help="ClickHouse shards of the private stack")
+    ap.add_argument("--broker-pause", default="10,60", metavar="MIN,MAX",
+                    help="seconds broker_pause keeps its node stopped")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--folder", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None,
@@ -891,17 +996,29 @@ def main(argv: list[str] | None = None) -> int:
         zookeeper_down_s = (float(low), float(high or low))
     except ValueError:
         ap.error(f"--zookeeper-down {args.zookeeper_down!r}: give MIN,MAX in seconds")
-    stack = StackControl(fault_stack_env())
+    plow, _, phigh = args.broker_pause.partition(",")
+    try:
+        broker_pause_s = (float(plow), float(phigh or plow))
+    except ValueError:
+        ap.error(f"--broker-pause {args.broker_pause!r}: give MIN,MAX in seconds")
+    default_kinds = KINDS + (CLUSTER_KINDS if args.brokers == 3 else ())
+    kinds = [k for k in (args.kinds or ",".join(default_kinds)).split(",") if k]
+    unknown = [k for k in kinds if k not in KINDS + CLUSTER_KINDS]
+    if unknown:
+        ap.error(f"--kinds: unknown {unknown}; known: {', '.join(KINDS + CLUSTER_KINDS)}")
+    if args.brokers < 3 and any(k in CLUSTER_KINDS for k in kinds):
+        ap.error(f"--kinds {','.join(k for k in kinds if k in CLUSTER_KINDS)}: "
+                 "cluster kinds need --brokers 3")
+    stack = StackControl(fault_stack_env(brokers=args.brokers, shards=args.shards))
     stack.up()
     folder = args.folder or Path(tempfile.mkdtemp(prefix="blockagg-faults-"))
-    kinds = [k for k in args.kinds.split(",") if k]
     outcome, _, _ = run(stack, kinds, args.faults, args.messages, args.seed, folder,
                                tables=args.tables, partitions=args.partitions,
                                rows_per_message=args.rows_per_message,
                                dead_every=args.dead_every,
                                check_every=args.check_every, streams=args.streams,
                                zookeeper_down_s=zookeeper_down_s, json_path=args.json,
-                               resume=resume)
+                               resume=resume, broker_pause_s=broker_pause_s)
     summary = outcome.summary()
     summary.pop("events")
     print(json.dumps(summary, indent=1, sort_keys=True))

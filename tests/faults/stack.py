@@ -19,13 +19,20 @@ nodes, RF 3, min.insync.replicas 2; see docs/stack.md): :meth:`StackControl.kill
 and :meth:`StackControl.restart_broker` address one node by its id, and
 :meth:`StackControl.leader`, :meth:`StackControl.group_coordinator` and
 :meth:`StackControl.transaction_coordinator` ask the cluster's own metadata which node
-leads a partition, so a fault can kill the node that matters.
+leads a partition, so a fault can kill the node that matters;
+:meth:`StackControl.active_controller` asks the KRaft quorum for its leader,
+:meth:`StackControl.stop_broker` is a controlled shutdown (SIGTERM), and
+:meth:`StackControl.wait_in_sync` waits until every partition has its full ISR, as an
+operator does before touching the next node. :func:`cluster_stack_env` is the private
+three-node stack of the cluster tests (``.stack/cluster``, ports + 4000).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +72,38 @@ def fault_stack_env(base: Mapping[str, str] | None = None, shift: int = FAULT_PO
     return env
 
 
+CLUSTER_SHIFTS = (4000, 9000)
+"""The cluster stack's port shifts, the first free one taken: ``.ci/run`` gives the default
+stack 0/1000/5000/7000 and the fault suite 2000/3000/6000/8000."""
+
+
+def cluster_shift(env: Mapping[str, str] | None = None) -> int:
+    """``BLOCKAGG_CLUSTER_PORT_SHIFT``, else the first of :data:`CLUSTER_SHIFTS` whose ports
+    (every service's and the two extra brokers') are all free."""
+    env = os.environ if env is None else env
+    if env.get("BLOCKAGG_CLUSTER_PORT_SHIFT"):
+        return int(env["BLOCKAGG_CLUSTER_PORT_SHIFT"])
+    for shift in CLUSTER_SHIFTS:
+        ports = [d + shift for _, d in stack_lib.PORT_DEFAULTS.values()]
+        ports += [stack_lib.PORT_DEFAULTS["kafka"][1] + shift + step for step in (2, 3, 4, 5)]
+        if not any(stack_lib.port_in_use(p) for p in ports):
+            return shift
+    raise RuntimeError(f"no free port shift among {CLUSTER_SHIFTS} for the cluster stack; "
+                       "set BLOCKAGG_CLUSTER_PORT_SHIFT")
+
+
+def cluster_stack_env(shift: int | None = None) -> dict[str, str]:
+    """The private three-broker, two-shard stack of the cluster tests: ports at default +
+    :func:`cluster_shift`, ``BLOCKAGG_CLUSTER_STACK_DIR`` else ``.stack/cluster`` (at shift
+    4000; ``.stack/cluster-<shift>`` at another, so two never share a folder)."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("BLOCKAGG_FAULT_PORT_SHIFT", "BLOCKAGG_FAULT_STACK_DIR")}
+    shift = cluster_shift(base) if shift is None else shift
+    default = REPO_ROOT / ".stack" / ("cluster" if shift == 4000 else f"cluster-{shift}")
+    return fault_stack_env(base, shift=shift, brokers=3, shards=2,
+                           root=Path(os.environ.get("BLOCKAGG_CLUSTER_STACK_DIR") or default))
+
+
 def link_installed_jars(env: Mapping[str, str]) -> None:
     """Let a private stack dir reuse the default stack's resolved jars (no Maven run)."""
     folder = Path(env["BLOCKAGG_STACK_DIR"])
@@ -74,7 +113,7 @@ def link_installed_jars(env: Mapping[str, str]) -> None:
     shared = REPO_ROOT / ".stack"
     if not (shared / "kafka-lib").is_dir() and os.environ.get("BLOCKAGG_STACK_DIR"):
         shared = Path(os.environ["BLOCKAGG_STACK_DIR"])
-    for name in ("kafka-lib", "spark-jars"):
+    for name in ("kafka-lib", "kafka-tools", "spark-jars"):
         link = folder / name
         if not link.exists() and (shared / name).is_dir() and folder != shared:
             link.symlink_to(shared / name)
@@ -141,6 +180,128 @@ class StackControl:
         """The node coordinating ``transactional_id``: leader of its
         ``__transaction_state`` partition."""
         return self._coordinator("__transaction_state", transactional_id, timeout)
+
+    def kafka_tool(self, tool: str, *args: str, timeout: float = 120.0) -> str:
+        """``scripts/stack <tool> <args>`` (Kafka's admin tools, ``--bootstrap-server``
+        this stack's brokers); its stdout. Raises with its output if it failed."""
+        link_installed_jars(self.env)
+        stack_lib.install_kafka_tools(self.cfg)
+        res = subprocess.run(stack_lib.kafka_tool_command(self.cfg, tool, args), env=self.env,
+                             capture_output=True, text=True, timeout=timeout, check=False)
+        if res.returncode != 0:
+            raise RuntimeError(f"{tool} {' '.join(args)} failed ({res.returncode}): "
+                               f"{res.stdout[-2000:]} {res.stderr[-2000:]}")
+        return res.stdout
+
+    def active_controller(self, timeout: float = 60.0) -> int:
+        """The node id leading the KRaft quorum (the active controller), as
+        ``kafka-metadata-quorum describe --status`` reports it. Not AdminClient's
+        ``describe_cluster().controller``: a KRaft broker answers that with a random live
+        broker."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                out = self.kafka_tool("kafka-metadata-quorum", "describe", "--status")
+                found = re.search(r"^LeaderId:\s*(-?\d+)", out, re.M)
+                if found and int(found.group(1)) >= 0:
+                    return int(found.group(1))
+                problem = f"no leader in: {out[-500:]}"
+            except RuntimeError as exc:
+                problem = str(exc)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the KRaft quorum has no leader after {timeout:.0f}s: "
+                                   f"{problem}")
+            time.sleep(1)
+
+    def leaders(self, topic: str, timeout: float = 10.0) -> dict[int, tuple[int, list[int]]]:
+        """Per partition of ``topic``: its leader and its replicas (preferred first)."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        t = admin.list_topics(topic, timeout=timeout).topics[topic]
+        if t.error is not None:
+            raise RuntimeError(f"topic {topic}: {t.error}")
+        return {p: (int(m.leader), [int(r) for r in m.replicas])
+                for p, m in t.partitions.items()}
+
+    def out_of_sync(self, timeout: float = 10.0) -> list[str]:
+        """Every partition (of every topic) without a leader or with fewer in-sync
+        replicas than replicas, as ``topic[p] leader L isr I/R``."""
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        out = []
+        for name, t in admin.list_topics(timeout=timeout).topics.items():
+            for p, m in t.partitions.items():
+                if m.leader < 0 or len(m.isrs) < len(m.replicas):
+                    out.append(f"{name}[{p}] leader {m.leader} isr "
+                               f"{len(m.isrs)}/{len(m.replicas)}")
+        return out
+
+    def wait_in_sync(self, timeout: float = 180.0) -> float:
+        """Wait until every partition has a leader and its full ISR (a restarted node has
+        caught up), as an operator does before the next node of a rolling restart;
+        returns the seconds it took."""
+        started = time.monotonic()
+        pending: list[str] = []
+        while time.monotonic() - started < timeout:
+            try:
+                pending = self.out_of_sync()
+            except Exception as exc:  # a node restarting: its metadata request may fail
+                pending = [repr(exc)]
+            if not pending:
+                return time.monotonic() - started
+            time.sleep(0.5)
+        raise RuntimeError(f"partitions not fully in sync after {timeout:.0f}s: "
+                           f"{', '.join(pending[:10])}")
+
+    def stop_broker(self, node_id: int, timeout: float = 180.0) -> int:
+        """A controlled shutdown of Kafka node ``node_id`` (SIGTERM, as ``kafka-server-
+        stop.sh`` sends: it moves its leaderships away before it exits); waits until it
+        is gone and its ports are free; returns the pid it had."""
+        svc = self.services[self.broker_service(node_id)]
+        pid = svc.pid()
+        if pid is None:
+            raise RuntimeError(f"Kafka node {node_id} is not running; nothing to stop")
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while stack_lib.pid_alive(pid, svc.marker) or any(
+                stack_lib.port_in_use(port) for port in svc.ports.values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Kafka node {node_id} (pid {pid}) still running "
+                                   f"{timeout:.0f}s after SIGTERM")
+            time.sleep(0.1)
+        return pid
+
+    def move_preferred_leaders(self, topic: str) -> dict[int, tuple[int, int]]:
+        """Move the leaders of ``topic`` under its readers, by the operator's tools: a
+        reassignment that keeps each partition's replicas but rotates their order (a
+        preferred replica other than its leader now; nothing is copied), then a
+        preferred-leader election. Returns per partition (leader before, leader after)."""
+        before = self.leaders(topic)
+        plan = {"version": 1, "partitions": [
+            {"topic": topic, "partition": p, "replicas": _rotated_away(replicas, leader)}
+            for p, (leader, replicas) in sorted(before.items())]}
+        folder = Path(self.env["BLOCKAGG_STACK_DIR"])
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"reassign-{topic}.json"
+        path.write_text(json.dumps(plan))
+        self.kafka_tool("kafka-reassign-partitions", "--reassignment-json-file", str(path),
+                        "--execute")
+        deadline = time.monotonic() + 120
+        while "is complete" not in (out := self.kafka_tool(
+                "kafka-reassign-partitions", "--reassignment-json-file", str(path),
+                "--verify")) or "still in progress" in out:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the reassignment of {topic} did not complete: {out}")
+            time.sleep(1)
+        elect = folder / f"elect-{topic}.json"
+        elect.write_text(json.dumps({"partitions": [{"topic": topic, "partition": p}
+                                                    for p in sorted(before)]}))
+        self.kafka_tool("kafka-leader-election", "--election-type", "PREFERRED",
+                        "--path-to-json-file", str(elect))
+        after = self.leaders(topic)
+        return {p: (before[p][0], after[p][0]) for p in before}
 
     @property
     def ch_ports(self) -> tuple[int, int]:
@@ -300,6 +461,13 @@ class StackControl:
         """Make ``service`` unreachable (stopped) for ``seconds``, then resume it."""
         with self.paused(service):
             time.sleep(seconds)
+
+
+def _rotated_away(replicas: list[int], leader: int) -> list[int]:
+    """``replicas`` rotated by one, or by two if that would make ``leader`` the preferred
+    replica again: the same set, a preferred replica other than the current leader."""
+    once = replicas[1:] + replicas[:1]
+    return once[1:] + once[:1] if once[0] == leader and len(replicas) > 2 else once
 
 
 def restart_times(control: StackControl, services: tuple[str, ...], repeat: int

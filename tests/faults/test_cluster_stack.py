@@ -17,13 +17,11 @@ replicates within itself and the ``blockagg`` cluster lists both shards.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -31,34 +29,13 @@ from blockagg.aggregator.config import Config, loads
 from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
 from blockagg.aggregator.kafka.startup import check_topics
 from blockagg.spark import preflight
-from scripts import stack_lib
-from tests.faults.stack import REPO_ROOT, STACK, StackControl, fault_stack_env
+from tests.faults.stack import STACK, StackControl, cluster_stack_env
 
 pytestmark = pytest.mark.integration
 
-SHIFTS = (4000, 9000)
-FAULT_VARS = ("BLOCKAGG_FAULT_PORT_SHIFT", "BLOCKAGG_FAULT_STACK_DIR")
-
-
-def cluster_shift() -> int:
-    if os.environ.get("BLOCKAGG_CLUSTER_PORT_SHIFT"):
-        return int(os.environ["BLOCKAGG_CLUSTER_PORT_SHIFT"])
-    for shift in SHIFTS:
-        ports = [d + shift for _, d in stack_lib.PORT_DEFAULTS.values()]
-        ports += [stack_lib.PORT_DEFAULTS["kafka"][1] + shift + step for step in (2, 3, 4, 5)]
-        if not any(stack_lib.port_in_use(p) for p in ports):
-            return shift
-    pytest.fail(f"no free port shift among {SHIFTS} for the cluster stack; "
-                "set BLOCKAGG_CLUSTER_PORT_SHIFT")
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[StackControl]:
-    base = {k: v for k, v in os.environ.items() if k not in FAULT_VARS}
-    env = fault_stack_env(base, shift=cluster_shift(), brokers=3, shards=2,
-                          root=Path(os.environ.get("BLOCKAGG_CLUSTER_STACK_DIR")
-                                    or REPO_ROOT / ".stack" / "cluster"))
-    control = StackControl(env)
+    control = StackControl(cluster_stack_env())
     try:
         seconds = control.up()
     except RuntimeError as exc:

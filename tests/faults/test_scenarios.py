@@ -8,6 +8,9 @@ on both replicas, dead letters exactly once, ``arv verify`` and ``arv audit`` cl
   :data:`tests.faults.driver.KINDS` but ``topic_recreate`` injected once, in order.
 * ``test_scenario[kind]`` (``slow``): each kind alone, on its own workload and job
   (``topic_recreate`` only here: it stops the job and restarts it from offset 0).
+* ``test_every_cluster_kind_once`` (``integration``): on the three-broker stack (RF 3,
+  min.insync 2), one job, every kind of :data:`tests.faults.driver.CLUSTER_KINDS` and
+  ``broker_kill9`` (a random node) injected once, in order.
 
 The long run (``>= 1,000`` faults) is ``python -m tests.faults.driver``
 (docs/RELIABILITY.md).
@@ -124,6 +127,35 @@ def test_every_kind_once(stack: StackControl, tmp_path: Path) -> None:
                                  rows_per_message=5, dead_every=53, settle_s=240,
                                  catch_up_s=300)
     _assert_clean(outcome, kinds, job, stack)
+
+
+CLUSTER_PAUSE_S = (10.0, 15.0)
+"""``broker_pause`` in CI: the short end of the long run's 10-60 s."""
+
+
+@pytest.mark.integration
+@needs_job
+def test_every_cluster_kind_once(cluster_stack: StackControl, tmp_path: Path) -> None:
+    """Issue 27 item 3: each cluster kind once, its target found from the cluster's
+    metadata when injected (a data partition's leader, the group's coordinator, a
+    partition's transaction coordinator, the KRaft quorum's leader), the operator's
+    recovery after each (the node back, every partition's ISR full), and the run exact."""
+    kinds = [*driver.CLUSTER_KINDS, "broker_kill9"]
+    outcome, _, job = driver.run(cluster_stack, kinds, faults=len(kinds),
+                                 messages=300 * (len(kinds) + 1), seed=7,
+                                 folder=tmp_path, tables=4, partitions=3,
+                                 rows_per_message=5, dead_every=53, settle_s=240,
+                                 catch_up_s=300, broker_pause_s=CLUSTER_PAUSE_S)
+    _assert_clean(outcome, kinds, job, cluster_stack)
+    by_kind = {e["kind"]: e for e in outcome.events}
+    nodes = set(cluster_stack.broker_ids)
+    for kind in ("leader_kill9", "group_coordinator_kill9", "txn_coordinator_kill9",
+                 "controller_kill9", "broker_pause", "broker_kill9"):
+        assert by_kind[kind]["node"] in nodes, by_kind[kind]
+    assert set(by_kind["rolling_restart"]["node_s"]) == {str(n) for n in nodes}
+    moved = by_kind["leader_move"]["leaders"]
+    assert all(before != after for before, after in moved.values()), moved
+    assert not cluster_stack.out_of_sync()
 
 
 @pytest.mark.integration

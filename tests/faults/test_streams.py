@@ -30,8 +30,40 @@ def test_plan_is_each_kind_once_then_seeded_draws() -> None:
 
 
 def test_every_kind_has_a_resource() -> None:
-    assert set(driver._RESOURCE) == set(driver.KINDS)
-    assert all(driver._RESOURCE[k] for k in driver.KINDS)
+    assert set(driver._RESOURCE) == set(driver.KINDS + driver.CLUSTER_KINDS)
+    assert all(driver._RESOURCE[k] for k in driver.KINDS + driver.CLUSTER_KINDS)
+    # a cluster kind restarts or stops a broker: never beside broker_kill9 or another
+    assert all(driver._RESOURCE[k] == ("kafka",) for k in driver.CLUSTER_KINDS)
+
+
+def test_leader_move_prefers_a_replica_other_than_the_leader() -> None:
+    from tests.faults.stack import _rotated_away
+
+    for replicas in ([1, 2, 3], [3, 1, 2], [2, 3, 1]):
+        for leader in replicas:
+            moved = _rotated_away(replicas, leader)
+            assert sorted(moved) == sorted(replicas) and moved[0] != leader, (replicas, leader)
+
+
+def test_cluster_kinds_are_drawn_only_on_three_brokers(capsys: Any) -> None:
+    """The cluster kinds are refused on a single broker, before any stack is touched: by
+    the CLI (``--kinds`` without ``--brokers 3``) and by :func:`driver.run`; with
+    ``--brokers 3`` and no ``--kinds`` they join the single-broker list."""
+    from pathlib import Path
+
+    from tests.faults.stack import StackControl, fault_stack_env
+
+    assert not set(driver.KINDS) & set(driver.CLUSTER_KINDS)
+    with pytest.raises(SystemExit):
+        driver.main(["--kinds", "leader_kill9,driver_kill9"])
+    assert "cluster kinds need --brokers 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        driver.main(["--brokers", "3", "--kinds", "leader_kil9"])
+    assert "unknown ['leader_kil9']" in capsys.readouterr().err
+    single = StackControl(fault_stack_env())
+    with pytest.raises(ValueError, match="rolling_restart need a three-broker stack"):
+        driver.run(single, ["driver_kill9", "rolling_restart"], faults=2, messages=10,
+                   seed=1, folder=Path("/nonexistent"))
 
 
 def test_a_weighted_kind_is_drawn_by_its_weight_and_unweighted_plans_are_unchanged() -> None:

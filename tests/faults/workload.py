@@ -334,13 +334,16 @@ class Workload:
             store.write(key, value)
 
     def create_topic(self, timeout: float = 60.0, create: bool = True) -> None:
-        """Create the data topic (``create``) and wait until every partition has a leader."""
+        """Create the data topic (``create``) and wait until every partition has a leader.
+        Its replication factor and ``min.insync.replicas`` are the broker's defaults: 1 on a
+        single broker, 3 and 2 on the three-broker stack (the job's start-up durability
+        check refuses less there)."""
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         if create:
             futures = admin.create_topics([NewTopic(self.topic, num_partitions=self.partitions,
-                                                    replication_factor=1)])
+                                                    replication_factor=-1)])
             for fut in futures.values():
                 fut.result(timeout)
         deadline = time.monotonic() + timeout
@@ -609,7 +612,7 @@ class Workload:
         while True:
             try:
                 admin.create_topics([NewTopic(self.topic, num_partitions=self.partitions,
-                                              replication_factor=1)])[self.topic].result(30)
+                                              replication_factor=-1)])[self.topic].result(30)
                 break
             except Exception as exc:  # still being deleted
                 if time.monotonic() > deadline:

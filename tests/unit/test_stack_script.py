@@ -158,6 +158,10 @@ def test_pom_lists_the_dependencies() -> None:
         ("kafka-consumer-groups", "org.apache.kafka.tools.consumer.group.ConsumerGroupCommand"),
         ("kafka-transactions", "org.apache.kafka.tools.TransactionsCommand"),
         ("kafka-console-consumer", "org.apache.kafka.tools.consumer.ConsoleConsumer"),
+        ("kafka-metadata-quorum", "org.apache.kafka.tools.MetadataQuorumCommand"),
+        ("kafka-reassign-partitions",
+         "org.apache.kafka.tools.reassign.ReassignPartitionsCommand"),
+        ("kafka-leader-election", "org.apache.kafka.tools.LeaderElectionCommand"),
     ],
 )
 def test_kafka_tools_run_their_main_class_on_the_tools_jars_against_the_stack(
