@@ -622,7 +622,11 @@ class Driver:
         since = (None if self._sizing_changed_at is None
                  else time.monotonic() - self._sizing_changed_at)
         if should_apply(self.sizing, proposed, since):
-            self._resize_to = proposed
+            # from now on Spark's batches are refused until the query restarts: with a
+            # backlog Spark starts the next batch at once, leaving no gap between them
+            with self._state:
+                self._resize_to = proposed
+                self._restarting = True
 
     def _apply_sizing(self) -> None:
         """Restart the query with :attr:`_resize_to` between batches: batches Spark
@@ -635,30 +639,26 @@ class Driver:
             if self._in_batch:
                 return
             self._restarting = True
-        try:
-            deadline = time.monotonic() + 30.0
-            while (self.query.isActive and self._trigger_active()
-                   and time.monotonic() < deadline):
-                time.sleep(0.05)
-            self.query.stop()
-            error = self.query.exception()
-            if error is not None and not (_stop_ended(error) or _cancelled(error)):
-                self.failure = error
-                return
-            logs.event(log, "sizing: restarting the query", reason=proposed.reason,
-                       min_offsets_per_trigger=proposed.min_offsets,
-                       max_trigger_delay=f"{proposed.max_trigger_delay:g}s",
-                       previous=self.sizing.min_offsets)
-            self.sizing = proposed
+        deadline = time.monotonic() + 30.0
+        while (self.query.isActive and self._trigger_active()
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        self.query.stop()
+        error = self.query.exception()
+        with self._state:
+            self._restarting = False
             self._resize_to = None
-            self._sizing_changed_at = time.monotonic()
-            self.restarts += 1
-            with self._state:
-                self._restarting = False
-            self.start_query(self._starting)
-        finally:
-            with self._state:
-                self._restarting = False
+        if error is not None and not (_stop_ended(error) or _cancelled(error)):
+            self.failure = error
+            return
+        logs.event(log, "sizing: restarting the query", reason=proposed.reason,
+                   min_offsets_per_trigger=proposed.min_offsets,
+                   max_trigger_delay=f"{proposed.max_trigger_delay:g}s",
+                   previous=self.sizing.min_offsets)
+        self.sizing = proposed
+        self._sizing_changed_at = time.monotonic()
+        self.restarts += 1
+        self.start_query(self._starting)
 
     def check_dead_letter_rate(self, summary: BatchSummary) -> None:
         """Stop the job when the dead letters of the last ``dead_letters.window``
@@ -815,6 +815,8 @@ class Driver:
         stopped_here = False
         try:
             while True:
+                if self._resize_to is not None and not self._stop_requested.is_set():
+                    self._apply_sizing()
                 if not self.query.isActive:
                     break
                 self.caught_up = self._update_lag()
@@ -825,8 +827,6 @@ class Driver:
                 with self._state:
                     if not self._in_batch and not self._stop_requested.is_set():
                         self.refresh_idle()
-                if self._resize_to is not None and not self._stop_requested.is_set():
-                    self._apply_sizing()
                 if self._stop_requested.is_set():
                     if stop_deadline is None:
                         stop_deadline = time.monotonic() + self.config.job.stop_timeout
@@ -844,6 +844,9 @@ class Driver:
                 try:
                     self.query.awaitTermination(0.5)
                 except Exception as exc:  # the query ended with an error
+                    if self._resize_to is not None and _stop_ended(exc) and (
+                            not self._stop_requested.is_set()):
+                        continue  # a batch refused for the restart: restarted above
                     if self.failure is None and not _stop_ended(exc):
                         self.failure = exc
                     break
