@@ -53,20 +53,18 @@ def batches(log: Path, offset: int) -> list[dict[str, float]]:
         f.seek(offset)
         text = f.read().decode(errors="replace")
     out = []
-    for m in re.finditer(r"blockagg\.job: batch kind=stream batch=\d+ ([^\n]*)", text):
+    for m in re.finditer(r'blockagg\.job: batch kind="?stream"? batch=\d+ ([^\n]*)', text):
         fields = dict(re.findall(r"(\w+)=([0-9.]+)(?:\s|$)", m.group(1)))
         out.append({k: float(v) for k, v in fields.items()})
     return out
 
 
-def run(bench: MinRowsBench, min_rows: int) -> dict[str, Any]:
-    bench.min_rows = min_rows
-    lat = bench.latency(bench.args.max_rows)
-    parts = bench.parts()  # right after the stop: no merge has had time since
-    log = Path(str(lat["log"]))
+def summarize(log: Path, offset: int, lat: dict[str, Any], parts: list[int],
+              min_rows: int) -> dict[str, Any]:
+    """The figures of one streaming run from its job log (batch lines from byte
+    ``offset``, the measured window), its latency dict and its parts per table."""
     text = log.read_text(errors="replace")
-    window = int(lat.get("seconds", 0) or 0)
-    lines = [b for b in batches(log, int(lat["log_offset"])) if b.get("blocks")]
+    lines = [b for b in batches(log, offset) if b.get("blocks")]
     rows = sum(b["rows"] for b in lines)
     blocks = sum(b["blocks"] for b in lines)
     span = sum(b["seconds"] for b in lines)
@@ -77,15 +75,25 @@ def run(bench: MinRowsBench, min_rows: int) -> dict[str, Any]:
         "rows_per_block_median": round(statistics.median(
             b["rows"] / b["blocks"] for b in lines), 1) if lines else 0,
         "rows_per_block": round(rows / max(1, blocks), 1),
-        "rows_per_s_inserted": round(lat.get("rate_rows_s", 0)),
-        "batch_seconds_sum": round(span, 1),
-        "active_parts_per_table": [statistics.median(parts), max(parts)],
-        "p50_s": round(lat.get("p50_s", 0), 2), "p99_s": round(lat.get("p99_s", 0), 2),
-        "max_s": round(lat.get("max_s", 0), 2), "probes": lat.get("probes"),
-        "seen": lat.get("seen"), "run_seconds": window,
+        "rows_per_s_produced": round(float(lat.get("rate_rows_s", 0))),
+        "rows_per_batch_second": round(rows / span) if span else 0,
+        "batch_seconds_median": round(statistics.median(b["seconds"] for b in lines), 1)
+        if lines else 0,
+        "active_parts_per_table": [statistics.median(parts), max(parts)] if parts else [],
+        "p50_s": round(float(lat.get("p50_s", 0)), 2),
+        "p99_s": round(float(lat.get("p99_s", 0)), 2),
+        "max_s": round(float(lat.get("max_s", 0)), 2), "probes": lat.get("probes"),
+        "seen": lat.get("seen"), "run_seconds": lat.get("seconds"),
         "restarts": text.count("sizing: restarting the query"),
         "too_many_parts": len(re.findall(r"Too many parts|Code: 252", text)),
     }
+
+
+def run(bench: MinRowsBench, min_rows: int) -> dict[str, Any]:
+    bench.min_rows = min_rows
+    lat = bench.latency(bench.args.max_rows)
+    parts = bench.parts()  # right after the stop: merges have had little time since
+    return summarize(Path(str(lat["log"])), int(lat["log_offset"]), lat, parts, min_rows)
 
 
 def main(argv: list[str] | None = None) -> int:
