@@ -416,7 +416,8 @@ port = 0
                 "p50_s": lat[len(lat) // 2], "p99_s": lat[min(len(lat) - 1,
                                                               int(len(lat) * 0.99))],
                 "max_s": lat[-1], "seconds": round(time.monotonic() - started, 1),
-                "warmup_s": self.args.latency_warmup, "batches": batch_times(log, log_offset)}
+                "warmup_s": self.args.latency_warmup, "batches": batch_times(log, log_offset),
+                "log": str(log), "log_offset": log_offset}
 
 
 BATCH_TIMES: Final = ("seconds", "max_task_seconds", "task_seconds", "commit_seconds",

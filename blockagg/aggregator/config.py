@@ -280,6 +280,13 @@ class JobConfig:
 class BlocksConfig:
     max_rows: int = 1_000_000
     max_bytes: int = 64 * 1024 * 1024
+    min_rows: int = 0
+    """The rows the ``min_rows_percentile`` block of a batch should reach; the driver
+    sizes micro-batches for it (``spark.sizing``). 0: batches are not held."""
+    min_rows_percentile: float = 0.5
+    max_latency: float = 60.0
+    """The user's bound on how long a message waits for its block while batches are
+    held for ``min_rows``."""
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -615,6 +622,33 @@ def _rate(value: object, path: str) -> float:
     return float(value)
 
 
+def _percentile(value: object, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{path}: expected a fraction above 0 and at most 1 (0.5: the "
+                          f"median block), got {value!r}")
+    if not 0.0 < float(value) <= 1.0:
+        raise ConfigError(f"{path}: must be above 0 and at most 1 (0.5: the median block), "
+                          f"got {value}")
+    return float(value)
+
+
+def _check_min_rows(blocks: BlocksConfig, job: JobConfig) -> None:
+    """``blocks.min_rows`` against the settings it works with: below ``max_rows``, and
+    a latency bound that leaves at least one trigger interval to wait in."""
+    if blocks.min_rows == 0:
+        return
+    if blocks.min_rows > blocks.max_rows:
+        raise ConfigError(
+            f"blocks.min_rows = {blocks.min_rows} is above blocks.max_rows = "
+            f"{blocks.max_rows}: a block is sealed at max_rows, so lower min_rows or raise "
+            "max_rows")
+    if blocks.max_latency < 2 * job.trigger_interval:
+        raise ConfigError(
+            f"blocks.max_latency = {blocks.max_latency:g}s leaves no time to wait for rows "
+            f"with job.trigger_interval = {job.trigger_interval:g}s: set it to at least "
+            f"{2 * job.trigger_interval:g}s, or blocks.min_rows = 0")
+
+
 def _table_name(value: object, path: str) -> str:
     text = _str(value, path)
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*", text):
@@ -923,8 +957,12 @@ def from_dict(
     blocks = BlocksConfig(
         max_rows=blocks_t.take("max_rows", _int(1), 1_000_000),
         max_bytes=blocks_t.take("max_bytes", _size, 64 * 1024 * 1024),
+        min_rows=blocks_t.take("min_rows", _int(0), 0),
+        min_rows_percentile=blocks_t.take("min_rows_percentile", _percentile, 0.5),
+        max_latency=blocks_t.take("max_latency", _duration, 60.0),
     )
     blocks_t.done()
+    _check_min_rows(blocks, job)
 
     ch_t = _Table(root.take_raw("clickhouse") or {}, "clickhouse")
     password_env = ch_t.take("password_env", _nonempty, None)
@@ -1030,6 +1068,12 @@ def from_dict(
                 "\"kafka.\" prefix"
             )
     source = _passthrough(source_t, _SOURCE_OWNED, lower=True)
+    held = sorted(k for k in source if k.lower() in ("minoffsetspertrigger", "maxtriggerdelay"))
+    if blocks.min_rows and held:
+        raise ConfigError(
+            f"source.{held[0]}: set by the job when blocks.min_rows = {blocks.min_rows} "
+            "(it sizes micro-batches from the blocks they form); remove it, or set "
+            "blocks.min_rows = 0 to size batches by hand")
 
     schemas_t = _Table(root.take_raw("schemas") or {}, "schemas")
     schemas = SchemasConfig(

@@ -25,7 +25,14 @@ One run of the job:
    no visible row on the driver,
    and folds the reports into metrics and one log line. Quiet partitions are
    re-committed unchanged every ``job.idle_commit_interval`` (``spark.idle``).
-5. **Stop.** SIGTERM/SIGINT stop the query between batches (a batch in progress is
+5. **Sizing.** With ``blocks.min_rows`` the Kafka source holds triggers until enough
+   offsets are available (``minOffsetsPerTrigger``, for at most ``maxTriggerDelay``),
+   both decided by ``spark.sizing`` from the last batches' blocks. Spark fixes them for
+   the life of a query, so the driver applies a new sizing by restarting the query
+   between batches (a few seconds without batches): once after the calibration batches,
+   then on a change beyond a factor of two, at most every ten minutes. A restart
+   re-runs a batch Spark had planned with the range its offset log recorded.
+6. **Stop.** SIGTERM/SIGINT stop the query between batches (a batch in progress is
    finished first, up to ``stop_timeout``); a kill -9 anywhere is safe, the next run
    replays.
 """
@@ -79,6 +86,15 @@ from blockagg.spark.offsets import (
     starting_offsets_json,
     watermarks,
 )
+from blockagg.spark.sizing import HISTORY as SIZING_HISTORY
+from blockagg.spark.sizing import (
+    OFF,
+    BatchFigures,
+    Sizing,
+    SizingGoal,
+    decide,
+    should_apply,
+)
 from blockagg.spark.tables import TableGuard
 from blockagg.spark.task import (
     REPORT_SCHEMA,
@@ -120,6 +136,11 @@ class BatchSummary:
     retried: dict[str, int] = field(default_factory=dict)
     """``topic[partition] -> attempt`` of each task that succeeded after failed attempts
     (each failed attempt logged its own ``task attempt failed`` line where it ran)."""
+    offsets: int = 0
+    """Offsets the batch planned over all partitions (what ``minOffsetsPerTrigger``
+    and ``maxOffsetsPerTrigger`` count)."""
+    block_rows: list[int] = field(default_factory=list)
+    """Rows of each block the batch inserted (``blocks.min_rows`` sizes batches by them)."""
 
     def add(self, rep: Mapping[str, Any]) -> None:
         self.partitions += 1
@@ -134,6 +155,7 @@ class BatchSummary:
         self.commits += int(rep["commits"])
         self.max_task_seconds = max(self.max_task_seconds, float(rep["seconds"]))
         self.task_seconds += float(rep["seconds"])
+        self.block_rows.extend(int(r) for r in rep.get("block_rows", ()))
         self.commit_seconds += sum(rep.get("commit_seconds", ()))
         self.insert_seconds += sum(s for _, s in rep.get("insert_seconds", ()))
         if rep.get("warning"):
@@ -219,6 +241,18 @@ class Driver:
         when they pass it (``spark.preflight``)."""
         self.watch = BatchWatch(config.job.batch_timeout)
         self.watchdog = Watchdog(self.watch, self.warn_slow_batch, self.cancel_overrun_batch)
+        self.sizing_goal = SizingGoal(
+            min_rows=config.blocks.min_rows, max_latency=config.blocks.max_latency,
+            trigger_interval=config.job.trigger_interval,
+            percentile=config.blocks.min_rows_percentile,
+            max_offsets_per_trigger=config.job.max_offsets_per_trigger)
+        self.sizing: Sizing = OFF
+        """The sizing of the running query (``spark.sizing``)."""
+        self._resize_to: Sizing | None = None
+        self._sizing_changed_at: float | None = None
+        self._restarting = False
+        self._starting = "latest"
+        self.restarts = 0
 
     # ------------------------------------------------------------------ startup
 
@@ -435,6 +469,7 @@ class Driver:
         for tp in sorted(set(nonempty) - done):
             reports.append(run_range(ctx, tp, [], [], []))
         summary = BatchSummary(batch_id)
+        summary.offsets = sum(r.end - r.start for r in nonempty.values())
         for rep in reports:
             summary.add(rep)
             if int(rep["commits"]):
@@ -538,6 +573,10 @@ class Driver:
                 logs.event(log, "batch not started: the stop was requested (the next "
                            "start runs it)", batch=batch_id)
                 raise StoppedBeforeBatch(f"batch {batch_id} not started: stop requested")
+            if self._restarting:
+                logs.event(log, "batch not started: the query restarts with a new sizing "
+                           "(the restarted query runs it)", batch=batch_id)
+                raise StoppedBeforeBatch(f"batch {batch_id} not started: query restarts")
             self._in_batch = True
         started = time.time()
         try:
@@ -570,6 +609,56 @@ class Driver:
         self.batches.append(summary)
         self._log_batch(summary, "stream")
         self.check_dead_letter_rate(summary)
+        self.plan_sizing()
+
+    def plan_sizing(self) -> None:
+        """After a batch: the sizing the last batches call for (``spark.sizing``); one
+        worth a restart of the query is left for :meth:`wait` to apply between batches."""
+        if self.sizing_goal.min_rows <= 0:
+            return
+        history = [BatchFigures(b.offsets, tuple(b.block_rows), b.seconds)
+                   for b in self.batches[-SIZING_HISTORY:]]
+        proposed = decide(self.sizing_goal, history)
+        since = (None if self._sizing_changed_at is None
+                 else time.monotonic() - self._sizing_changed_at)
+        if should_apply(self.sizing, proposed, since):
+            # from now on Spark's batches are refused until the query restarts: with a
+            # backlog Spark starts the next batch at once, leaving no gap between them
+            with self._state:
+                self._resize_to = proposed
+                self._restarting = True
+
+    def _apply_sizing(self) -> None:
+        """Restart the query with :attr:`_resize_to` between batches: batches Spark
+        starts meanwhile are refused before they read anything (the restarted query
+        runs them with the range their offset log recorded), and ``stop()`` is called
+        only outside a trigger, as for the stop."""
+        proposed = self._resize_to
+        assert proposed is not None and self.query is not None
+        with self._state:
+            if self._in_batch:
+                return
+            self._restarting = True
+        deadline = time.monotonic() + 30.0
+        while (self.query.isActive and self._trigger_active()
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        self.query.stop()
+        error = self.query.exception()
+        with self._state:
+            self._restarting = False
+            self._resize_to = None
+        if error is not None and not (_stop_ended(error) or _cancelled(error)):
+            self.failure = error
+            return
+        logs.event(log, "sizing: restarting the query", reason=proposed.reason,
+                   min_offsets_per_trigger=proposed.min_offsets,
+                   max_trigger_delay=f"{proposed.max_trigger_delay:g}s",
+                   previous=self.sizing.min_offsets)
+        self.sizing = proposed
+        self._sizing_changed_at = time.monotonic()
+        self.restarts += 1
+        self.start_query(self._starting)
 
     def check_dead_letter_rate(self, summary: BatchSummary) -> None:
         """Stop the job when the dead letters of the last ``dead_letters.window``
@@ -614,6 +703,9 @@ class Driver:
         if self.config.job.max_offsets_per_trigger is not None:
             reader = reader.option("maxOffsetsPerTrigger",
                                    str(self.config.job.max_offsets_per_trigger))
+        for key, value in self.sizing.source_options().items():
+            reader = reader.option(key, value)
+        self._starting = starting
         df = reader.load()
         interval_ms = max(1, round(self.config.job.trigger_interval * 1000))
         self.query = (
@@ -723,6 +815,8 @@ class Driver:
         stopped_here = False
         try:
             while True:
+                if self._resize_to is not None and not self._stop_requested.is_set():
+                    self._apply_sizing()
                 if not self.query.isActive:
                     break
                 self.caught_up = self._update_lag()
@@ -750,6 +844,9 @@ class Driver:
                 try:
                     self.query.awaitTermination(0.5)
                 except Exception as exc:  # the query ended with an error
+                    if self._resize_to is not None and _stop_ended(exc) and (
+                            not self._stop_requested.is_set()):
+                        continue  # a batch refused for the restart: restarted above
                     if self.failure is None and not _stop_ended(exc):
                         self.failure = exc
                     break

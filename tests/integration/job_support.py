@@ -64,7 +64,7 @@ class FileSink:
                 items.append([offset, [r.decode() for r in payload.parsed.rows]])
         line = json.dumps({"token": block.token, "table": block.table, "topic": block.topic,
                            "partition": block.partition, "replay": block.replay,
-                           "items": items}) + "\n"
+                           "at": time.time(), "items": items}) + "\n"
         with open(self.path, "a", encoding="utf-8") as out:
             fcntl.flock(out, fcntl.LOCK_EX)
             out.write(line)

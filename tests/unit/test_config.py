@@ -136,6 +136,28 @@ def test_refusals(extra: str, pattern: str) -> None:
     refused(MINIMAL + extra, pattern)
 
 
+def test_min_rows_off_by_default_and_validated() -> None:
+    c = cfg()
+    assert (c.blocks.min_rows, c.blocks.min_rows_percentile, c.blocks.max_latency) == (
+        0, 0.5, 60.0)
+    c = cfg('\n[blocks]\nmin_rows = 10000\nmax_latency = "2min"\nmin_rows_percentile = 0.9\n')
+    assert (c.blocks.min_rows, c.blocks.min_rows_percentile, c.blocks.max_latency) == (
+        10000, 0.9, 120.0)
+    refused(MINIMAL + "\n[blocks]\nmin_rows = 10\nmax_rows = 5\n",
+            r"blocks\.min_rows = 10 is above blocks\.max_rows = 5")
+    refused(MINIMAL.replace("[job]", '[job]\ntrigger_interval = "10s"')
+            + '\n[blocks]\nmin_rows = 10\nmax_latency = "15s"\n',
+            r"blocks\.max_latency = 15s leaves no time.*trigger_interval = 10s.*at least 20s")
+    refused(MINIMAL + "\n[blocks]\nmin_rows = -1\n", r"blocks\.min_rows: must be >= 0")
+    refused(MINIMAL + "\n[blocks]\nmin_rows_percentile = 0\n",
+            r"blocks\.min_rows_percentile: must be above 0")
+    refused(MINIMAL + "\n[blocks]\nmin_rows = 10\n[source]\nminOffsetsPerTrigger = 5\n",
+            r"source\.minOffsetsPerTrigger: set by the job when blocks\.min_rows = 10")
+    # by hand, without min_rows, Spark's own options stay available
+    assert cfg("\n[source]\nminOffsetsPerTrigger = 5\n").source == {
+        "minOffsetsPerTrigger": "5"}
+
+
 def test_lock_session_timeout() -> None:
     assert cfg().job.lock_session_timeout == 10.0
     assert cfg(base=MINIMAL.replace("[job]\n", '[job]\nlock_session_timeout = "6s"\n')

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blockagg.aggregator.core.exceptions import (
     BatchEndsInsideReplayBlock,
@@ -123,6 +125,43 @@ def test_retry_after_the_intent_before_the_insert_rebuilds_the_same_blocks() -> 
         (b.token, b.rows, b.positions.tolist()) for b in originals[: len(intent.blocks)]
     ]
     run_batch(retry, store, sink)
+    assert_exactly_once(store, sink, 30)
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(st.integers(min_value=1, max_value=30), st.integers(min_value=0, max_value=40),
+       st.integers(min_value=0, max_value=30))
+def test_a_replay_after_a_sizing_change_rebuilds_the_recorded_blocks(
+        first_end: int, crash_pick: int, extra: int) -> None:
+    """``blocks.min_rows`` (``spark.sizing``) changes how many offsets the next batch
+    takes, never a committed intent's blocks: a batch cut at ``first_end`` crashes after
+    an intent listing blocks, and the retry, planned over a larger range as a new
+    sizing would take, rebuilds exactly the recorded blocks (rows, order, token)."""
+    store, sink = MemoryMetadataStore(), DedupSink()
+    first = plan(store, 0, first_end)
+    listing = [i for i, op in enumerate(first.operations)
+               if isinstance(op, CommitMetadata) and op.metadata.blocks]
+    if not listing:
+        return
+    at = listing[crash_pick % len(listing)]
+    assert not run_crashing(first, store, sink, at=at, after=True)
+    intent = store.metadata_history()[-1]
+    originals = {(op.block.table_id, op.block.first, op.block.last):
+                 (op.block.token, op.block.rows,
+                  first.batch.offsets[op.block.positions].tolist())
+                 for op in first.operations if isinstance(op, InsertBlock)}
+    recorded = {(b.table_id, b.first, b.last) for b in intent.blocks}
+    end = min(30, first_end + extra)
+    retry = plan(store, intent.resume, end, batch_id=1)
+    rebuilt = {(op.block.table_id, op.block.first, op.block.last):
+               (op.block.token, op.block.rows,
+                retry.batch.offsets[op.block.positions].tolist())
+               for op in retry.operations if isinstance(op, InsertBlock) and op.block.replay}
+    assert set(rebuilt) == recorded
+    assert rebuilt == {key: originals[key] for key in recorded}
+    run_batch(retry, store, sink)
+    if end < 30:
+        run(store, sink, end, 30, batch_id=2)
     assert_exactly_once(store, sink, 30)
 
 
