@@ -203,20 +203,35 @@ def run_crashing(
 
 
 def metadata_of_length(length: int) -> Metadata:
-    """Metadata whose encoding is exactly ``length`` characters long: blocks are added
-    until the text comes within nine bytes, then the run id's width (msgpack's 1, 2,
-    3, 5 or 9 bytes) and the batch id's fine-tune it. Base85 never ends a string
-    with a group of one character, so lengths ``4 + 5k + 1`` do not exist."""
+    """Metadata whose encoding is exactly ``length`` characters long: a binary search
+    finds the most blocks whose smallest encoding still fits, then the run id's width
+    (msgpack's 1, 2, 3, 5 or 9 bytes) and the batch id's fine-tune it over the last
+    few block counts. Not every length exists (base85 never ends a string with a
+    group of one character)."""
     from blockagg.aggregator.core.metadata import BlockRange, encode
 
     start, end = 1_000_000, 1_100_000
     widths = (0, 200, 60_000, 2**31, 2**63)
-    for count in range(1, 2000):
+
+    def metadata(count: int, run: int, batch: int) -> Metadata:
         blocks = tuple(BlockRange(t, start + (t * 7_919) % 50_000,
                                   end - 1 - (t * 104_729) % 50_000) for t in range(1, count + 1))
+        return Metadata(run, batch, start, end, start, blocks)
+
+    def size(m: Metadata) -> int:
+        return len(encode(m, max_bytes=1 << 20))
+
+    low, high = 1, 4000
+    while low < high:
+        mid = (low + high + 1) // 2
+        if size(metadata(mid, 0, 0)) <= length:
+            low = mid
+        else:
+            high = mid - 1
+    for count in range(max(1, low - 4), low + 1):
         for run in widths:
             for batch in widths[:4]:
-                metadata = Metadata(run, batch, start, end, start, blocks)
-                if len(encode(metadata, max_bytes=1 << 20)) == length:
-                    return metadata
+                candidate = metadata(count, run, batch)
+                if size(candidate) == length:
+                    return candidate
     raise ValueError(f"no metadata encodes to {length} characters")

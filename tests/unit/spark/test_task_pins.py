@@ -114,6 +114,8 @@ def live(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Column]]:
     columns = {"db.a": V2, "db.b": V1}
     monkeypatch.setattr(components, "_CACHE", {})
     monkeypatch.setattr(task, "live_columns", lambda config, topic, table: columns[table])
+    monkeypatch.setattr(task, "live_columns_many",
+                        lambda config, topic, tables: {t: columns[t] for t in tables})
     return columns
 
 
