@@ -7,8 +7,11 @@ Invariant 1 of the mission, checked from outside the job:
   producer's delivery reports acknowledged (no loss, nothing foreign);
 * dead letters: each deliberately bad message's ``(topic, partition, offset)`` is in
   the dead-letter table exactly once, and nothing else is;
-* ``arv verify`` over the job's group is clean (invariant 5: the committed metadata
-  history has no Backward/Overlap/Gap);
+* with two shards (``Workload.other_shards``), each replica is held to what was produced
+  to its own shard's topic, and ``arv audit`` runs once per shard (its topic, its
+  replica);
+* ``arv verify`` over the job's group (every shard's topic) is clean (invariant 5: the
+  committed metadata history has no Backward/Overlap/Gap);
 * ``arv audit`` is clean when this checkout has it (reported as ``None`` otherwise);
 * every partition's last intent under content-hash deduplication pins a structure mark
   (:func:`check_pins`);
@@ -50,6 +53,8 @@ class TableResult:
     missing: int
     unexpected: int
     wrong: int | None = None  # rows with a wrong value; None: values not checked
+    shard: int = 0
+    first: bool = True  # the shard's first replica: its rows count once in the totals
 
     @property
     def duplicates(self) -> int:
@@ -79,11 +84,25 @@ class Report:
 
     @property
     def rows_expected(self) -> int:
-        return sum(t.expected for t in self.tables if t.replica == 0)
+        return sum(t.expected for t in self.tables if t.first)
 
     @property
     def rows_stored(self) -> int:
-        return sum(t.count for t in self.tables if t.replica == 0)
+        return sum(t.count for t in self.tables if t.first)
+
+    def shard_summary(self) -> dict[str, dict[str, int]]:
+        """Per shard (``s1``, ``s2``): rows expected and stored (its first replica),
+        duplicates and missing rows over its replicas."""
+        out: dict[str, dict[str, int]] = {}
+        for t in self.tables:
+            s = out.setdefault(f"s{t.shard + 1}", {"rows_expected": 0, "rows_stored": 0,
+                                                   "duplicates": 0, "missing": 0})
+            if t.first:
+                s["rows_expected"] += t.expected
+                s["rows_stored"] += t.count
+            s["duplicates"] += t.duplicates
+            s["missing"] += t.missing
+        return out
 
     @property
     def duplicates(self) -> int:
@@ -100,7 +119,7 @@ class Report:
     @property
     def values_checked(self) -> int:
         """Rows whose values were compared (replica r1)."""
-        return sum(t.count for t in self.tables if t.replica == 0 and t.wrong is not None)
+        return sum(t.count for t in self.tables if t.first and t.wrong is not None)
 
     @property
     def ok(self) -> bool:
@@ -136,7 +155,9 @@ class Report:
                 "wrong_values": self.wrong_values, "values_checked": self.values_checked,
                 "dead_expected": self.dead_expected,
                 "dead_stored": self.dead_stored, "verify": self.verify_code,
-                "audit": self.audit_code, "unpinned": len(self.unpinned), "ok": self.ok}
+                "audit": self.audit_code, "unpinned": len(self.unpinned), "ok": self.ok,
+                **({"shards": self.shard_summary()}
+                   if any(t.shard for t in self.tables) else {})}
 
 
 def sync_replicas(clients: Sequence[Any], tables: Sequence[str], timeout: float = 120) -> None:
@@ -170,17 +191,21 @@ def count_duplicates(workload: Workload) -> int:
     return total
 
 
-def produced_counts(workload: Workload) -> dict[str, int]:
-    """Rows produced per table so far, and dead letters under the dead-letter table."""
-    want = {t: sum(int(a.size) for a in workload.produced.ids.get(t, []))
-            for t in workload.table_names()}
-    want[workload.dead_letter_table] = (len(workload.produced.dead)
-                                        + sum(workload.produced.kept_dead.values()))
-    return want
+def produced_counts(workload: Workload) -> list[dict[str, int]]:
+    """Per shard: rows produced to its topic per table so far, and dead letters under the
+    dead-letter table."""
+    out = []
+    for shard, topic in enumerate(workload.topics):
+        want = {t: workload.produced.count_of(t, shard) for t in workload.table_names()}
+        want[workload.dead_letter_table] = (
+            sum(1 for c in workload.produced.dead if c[0] == topic)
+            + sum(n for c, n in workload.produced.kept_dead.items() if c[0] == topic))
+        out.append(want)
+    return out
 
 
 def caught_up(workload: Workload, timeout: float, poll: float = 1.0,
-              want: dict[str, int] | None = None) -> float | None:
+              want: list[dict[str, int]] | None = None) -> float | None:
     """Seconds until every replica holds as many rows per table (and dead letters) as
     were produced; ``None`` if the timeout passed first. Never raises on a replica
     that is still restarting: it just polls again.
@@ -193,14 +218,17 @@ def caught_up(workload: Workload, timeout: float, poll: float = 1.0,
         # A topic_recreate may have stopped expecting rows of ``want`` (its documented
         # loss): at least the smaller of the two.
         now = produced_counts(workload)
-        target = now if want is None else {t: min(n, now.get(t, n)) for t, n in want.items()}
+        targets = now if want is None else [
+            {t: min(n, shard_now.get(t, n)) for t, n in shard_want.items()}
+            for shard_want, shard_now in zip(want, now, strict=True)]
         try:
             clients = workload.clients()
-            counts = [_counts(c, list(target)) for c in clients]
+            counts = [(targets[s], _counts(c, list(targets[s])))
+                      for s, c in zip(workload.replica_shards, clients, strict=True)]
             for c in clients:
                 c.disconnect()
             if all((got == target) if exact else
-                   all(got[t] >= n for t, n in target.items()) for got in counts):
+                   all(got[t] >= n for t, n in target.items()) for target, got in counts):
                 return time.monotonic() - started
         except Exception:  # a replica restarting: poll again
             pass
@@ -210,19 +238,22 @@ def caught_up(workload: Workload, timeout: float, poll: float = 1.0,
 
 def check_tables(workload: Workload, clients: Sequence[Any]) -> list[TableResult]:
     results = []
+    shards = workload.replica_shards
     for replica, client in enumerate(clients):
+        shard = shards[replica]
         for table in workload.table_names():
             count, unique = client.execute(f"SELECT count(), uniqExact(id) FROM {table}")[0]
             got = np.asarray(client.execute(f"SELECT id FROM {table}", columnar=True)[0]
                              if count else [], dtype=np.uint64)
-            want = workload.produced.ids_of(table)
+            want = workload.produced.ids_of(table, shard)
             got_set = np.unique(got)
             missing = int(np.setdiff1d(want, got_set, assume_unique=False).size)
             unexpected = int(np.setdiff1d(got_set, want, assume_unique=False).size)
             wrong = check_values(workload, client, table) if table in workload.changed \
                 else None
             results.append(TableResult(table, replica, int(want.size), int(count), int(unique),
-                                       missing, unexpected, wrong))
+                                       missing, unexpected, wrong, shard,
+                                       first=shards.index(shard) == replica))
     return results
 
 
@@ -270,11 +301,15 @@ def check_dead_letters(workload: Workload, clients: Sequence[Any], report: Repor
     """Per coordinate, as many dead letters as were expected: one for a bad message of
     the topic, plus one per earlier incarnation whose dead letter there was stored
     before a ``topic_recreate`` (``Produced.kept_dead``). A surplus is a duplicate; a
-    shortfall, or a coordinate expected nowhere, is missing or foreign."""
-    want = Counter(workload.produced.dead)
-    want.update(workload.produced.kept_dead)
-    report.dead_expected = sum(want.values())
+    shortfall, or a coordinate expected nowhere, is missing or foreign. A replica is
+    held to the dead letters of its own shard's topic."""
+    every = Counter(workload.produced.dead)
+    every.update(workload.produced.kept_dead)
+    report.dead_expected = sum(every.values())
+    shards = workload.replica_shards
     for replica, client in enumerate(clients):
+        topic = workload.topics[shards[replica]]
+        want = Counter({c: n for c, n in every.items() if c[0] == topic})
         rows = client.execute(
             f"SELECT topic, partition, offset, count() FROM {workload.dead_letter_table} "
             "GROUP BY topic, partition, offset")
@@ -314,7 +349,7 @@ def check_pins(workload: Workload) -> list[str]:
                          "enable.auto.commit": False})
     try:
         committed = read_committed(
-            consumer, [(workload.topic, p) for p in range(workload.partitions)])
+            consumer, [(t, p) for t in workload.topics for p in range(workload.partitions)])
     finally:
         consumer.close()
     out = []
@@ -338,15 +373,19 @@ def check(workload: Workload, audit_args: Sequence[str] | None = None) -> Report
             c.disconnect()
     report.verify_code, report.verify_output = arv(
         ["verify", "--bootstrap-servers", workload.bootstrap, "--group", workload.group,
-         "--topic", workload.topic, "--json"])
+         *(a for t in workload.topics for a in ("--topic", t)), "--json"])
     report.unpinned = check_pins(workload)
     if has_audit():
-        report.audit_code, report.audit_output = arv(
+        # one audit per shard: its topic against its first replica
+        audits = [arv(
             ["audit", "--bootstrap-servers", workload.bootstrap, "--group", workload.group,
-             "--topic", workload.topic, "--clickhouse",
-             f"{workload.ch_host}:{workload.ch_ports[0]}", "--database", workload.database,
+             "--topic", topic, "--clickhouse", f"{workload.ch_host}:{ports[0]}",
+             "--database", workload.database,
              "--dead-letter-table", workload.dead_letter_table, "--json",
              *(audit_args or [])])
+            for topic, ports in zip(workload.topics, workload.shard_ports, strict=True)]
+        report.audit_code = next((code for code, _ in audits if code != 0), 0)
+        report.audit_output = "\n".join(out for _, out in audits)
     return report
 
 

@@ -3,9 +3,10 @@
 :class:`Job` runs ``spark/job.py`` as a plain Python driver process (pyspark starts
 the JVM as its child, in the same session, so ``killpg`` is a kill -9 of the whole
 job) against the suite's private stack, with its ClickHouse replicas reached through
-two :class:`~tests.faults.proxy.FaultProxy` (one per replica) and the task hooks of
-:mod:`tests.faults.hooks` installed. A job that exits (a batch failed, e.g. because
-ClickHouse refused inserts for longer than the writer's retries) is restarted by
+one :class:`~tests.faults.proxy.FaultProxy` per replica (of every shard: with two, the
+workload writes one topic per shard and the job maps each to its shard's proxies) and
+the task hooks of :mod:`tests.faults.hooks` installed. A job that exits (a batch failed, e.g.
+because ClickHouse refused inserts for longer than the writer's retries) is restarted by
 :meth:`Job.ensure_running`, as a supervisor (systemd, Kubernetes) would.
 
 :func:`inject` applies one named fault (:data:`KINDS`, the issue's list) and recovers
@@ -154,12 +155,17 @@ class Job:
         self.lock = threading.RLock()
         self._starts_here = threading.local()
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.proxies = [FaultProxy(p) for p in self.stack.ch_ports]
+        # one proxy per replica of every shard of the workload, in its clients' order
+        self.shard_proxies = [[FaultProxy(p) for p in ports]
+                              for ports in self.workload.shard_ports]
+        self.proxies = [p for shard in self.shard_proxies for p in shard]
         self.hook_dir = self.folder / "hooks"
         self.checkpoint = self.folder / "checkpoint"
+        first, *others = [[f"127.0.0.1:{p.port}" for p in shard]
+                          for shard in self.shard_proxies]
         self.config = self.workload.job_config(
-            self.folder / "blockagg.toml", self.checkpoint,
-            [f"127.0.0.1:{p.port}" for p in self.proxies], extra=self.extra_toml)
+            self.folder / "blockagg.toml", self.checkpoint, first, extra=self.extra_toml,
+            other_replicas=others)
         self.log = self.folder / "job.log"
         self.jars = self.stack.exported().get("BLOCKAGG_SPARK_JARS", "")
 
@@ -308,14 +314,20 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
     elif kind == "executor_stall":
         info.update(stall_across_restart(job, stack, rng))
     elif kind == "lost_ack":
-        proxy = job.proxies[0]
+        # the replica a shard's inserts go to (its first); with two shards, either's
+        shard = rng.randrange(len(job.shard_proxies)) if len(job.shard_proxies) > 1 else 0
+        proxy = job.shard_proxies[shard][0]
+        if shard:
+            info["shard"] = shard + 1
         before = proxy.stats.dropped_responses
         # 2 KiB: more than a handshake or an INSERT's query text, less than a data block
         proxy.drop_responses(count=1, min_request_bytes=2048)
         info["fired"] = proxy.wait_dropped(before + 1, 120)
         proxy.set_mode(Mode.FORWARD)
     elif kind == "replica_kill9":
-        name = rng.choice(["clickhouse-r1", "clickhouse-r2"])
+        replicas = len(job.proxies)
+        name = rng.choice(["clickhouse-r1", "clickhouse-r2"] if replicas == 2 else
+                          [f"clickhouse-r{r + 1}" for r in range(replicas)])
         info["replica"] = name
         stack.kill9(name)
         time.sleep(rng.uniform(2, 8))
@@ -377,16 +389,20 @@ def cluster_fault(kind: str, job: Job, stack: StackControl, rng: random.Random,
 
     time.sleep(rng.uniform(0, 3))  # a random moment of the job's batches
     workload = job.workload
+    # a shard's topic (with two shards, either's; one shard: the same draws as before)
+    topic = (workload.topics[rng.randrange(workload.shards)] if workload.shards > 1
+             else workload.topic)
+    on = {"topic": topic} if workload.shards > 1 else {}
     if kind == "leader_kill9":
         partition = _job_partition(job, rng)
-        node = stack.leader(workload.topic, partition)
-        return {"partition": partition, **_kill9_node(stack, node, rng)}
+        node = stack.leader(topic, partition)
+        return {**on, "partition": partition, **_kill9_node(stack, node, rng)}
     if kind == "group_coordinator_kill9":
         return _kill9_node(stack, stack.group_coordinator(workload.group), rng)
     if kind == "txn_coordinator_kill9":
         partition = _job_partition(job, rng)
-        tid = transactional_id(workload.group, workload.topic, partition)
-        return {"transactional_id": tid,
+        tid = transactional_id(workload.group, topic, partition)
+        return {**on, "transactional_id": tid,
                 **_kill9_node(stack, stack.transaction_coordinator(tid), rng)}
     if kind == "controller_kill9":
         return _kill9_node(stack, stack.active_controller(), rng)
@@ -407,8 +423,8 @@ def cluster_fault(kind: str, job: Job, stack: StackControl, rng: random.Random,
             took[str(node)] = round(time.monotonic() - started, 1)
         return {"node_s": took}
     if kind == "leader_move":
-        moved = stack.move_preferred_leaders(workload.topic)
-        return {"leaders": {str(p): list(m) for p, m in moved.items()},
+        moved = stack.move_preferred_leaders(topic)
+        return {**on, "leaders": {str(p): list(m) for p, m in moved.items()},
                 "isr_s": round(stack.wait_in_sync(), 1)}
     raise ValueError(f"unknown cluster fault kind {kind!r}; known: {CLUSTER_KINDS}")
 
@@ -802,7 +818,8 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
         json_path: Path | None = None, master: str = "local[2,4]",
         py_files: list[Path] | None = None,
         resume: Outcome | None = None,
-        broker_pause_s: tuple[float, float] = BROKER_PAUSE_S
+        broker_pause_s: tuple[float, float] = BROKER_PAUSE_S,
+        shards: int | None = None
         ) -> tuple[Outcome, Workload, Job]:
     """``faults`` faults (:func:`plan`) while ``messages`` are produced; after each
     fault the job is kept running and must have stored everything produced up to the
@@ -827,15 +844,25 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     also covers the kill of everything at once.
 
     :data:`CLUSTER_KINDS` need a three-broker ``stack``; ``broker_pause_s`` bounds how
-    long ``broker_pause`` stops its node."""
+    long ``broker_pause`` stops its node.
+
+    ``shards`` (default: every shard of ``stack``): with 2, the workload writes one topic
+    per shard and the one job delivers each into its shard; each shard is checked
+    against its own topic."""
     cluster_only = [k for k in kinds if k in CLUSTER_KINDS]
     if cluster_only and len(stack.broker_ids) < 3:
         raise ValueError(f"{', '.join(cluster_only)} need a three-broker stack (--brokers 3); "
                          f"this one has {len(stack.broker_ids)}")
+    shard_ports = stack.shard_ch_ports
+    shards = len(shard_ports) if shards is None else shards
+    if not 1 <= shards <= len(shard_ports):
+        raise ValueError(f"shards={shards}: this stack has {len(shard_ports)} ClickHouse "
+                         "shard(s); start it with scripts/stack up --shards 2")
+    other_shards = shard_ports[1:shards]
     if resume is None:
         workload = Workload(stack.bootstrap, "127.0.0.1", stack.ch_ports, tables=tables,
                             partitions=partitions, rows_per_message=rows_per_message,
-                            dead_every=dead_every, seed=seed)
+                            dead_every=dead_every, seed=seed, other_shards=other_shards)
         workload.setup()
         outcome = Outcome(run=workload.run)
     else:
@@ -845,7 +872,7 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
                                    initial_tables=tables, retired=folder / RETIRED,
                                    partitions=partitions,
                                    rows_per_message=rows_per_message, dead_every=dead_every,
-                                   seed=seed)
+                                   seed=seed, other_shards=other_shards)
         _set_aside(folder / "hooks", f"before-resume-{len(outcome.resumes) + 1}")
         outcome.resumes.append({"after_faults": len(outcome.events),
                                 "at_s": round(outcome.seconds, 1),
@@ -935,7 +962,7 @@ def unfired_line(outcome: Outcome) -> str:
 
 
 def _wait_caught_up(workload: Workload, job: Job, timeout: float,
-                    want: dict[str, int] | None = None) -> float | None:
+                    want: list[dict[str, int]] | None = None) -> float | None:
     """Poll until caught up (with ``want``: at least that much stored), restarting
     the job whenever it exited."""
     started = time.monotonic()

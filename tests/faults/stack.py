@@ -305,7 +305,19 @@ class StackControl:
 
     @property
     def ch_ports(self) -> tuple[int, int]:
+        """Shard 01's replicas (r1, r2)."""
         return (self.cfg.ports.ch1_tcp, self.cfg.ports.ch2_tcp)
+
+    @property
+    def shard_ch_ports(self) -> list[tuple[int, ...]]:
+        """Every shard's replicas' native ports, shard 01 first."""
+        return [tuple(r.tcp for r in replicas)
+                for _, replicas in sorted(self.cfg.shard_replicas().items())]
+
+    @property
+    def replica_services(self) -> list[str]:
+        """Every ClickHouse replica's service name (``clickhouse-r1`` ...), shard order."""
+        return [f"clickhouse-{r.name}" for r in self.cfg.replicas]
 
     @property
     def zk_port(self) -> int:
@@ -357,7 +369,7 @@ class StackControl:
         pending: list[str] = []
         while True:
             pending = []
-            for port in self.ch_ports:
+            for port in (p for ports in self.shard_ch_ports for p in ports):
                 try:
                     client = Client(stack_lib.HOST, port=port, connect_timeout=3,
                                     send_receive_timeout=10)
@@ -381,7 +393,7 @@ class StackControl:
         from clickhouse_driver import Client
 
         lines: list[str] = []
-        for port in self.ch_ports:
+        for port in (p for ports in self.shard_ch_ports for p in ports):
             try:
                 client = Client(stack_lib.HOST, port=port, connect_timeout=3,
                                 send_receive_timeout=10)

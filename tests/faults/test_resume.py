@@ -129,7 +129,7 @@ def test_a_run_resumed_after_a_topic_recreate_expects_what_the_old_topic_left(
     procedure's loss; a resume reads only the new topic, so the rest comes from
     ``save_retired``, and the rebuilt run expects exactly what the uninterrupted one does."""
     written, store, _ = _written(seed=7)
-    stored = {t: written.produced.ids_of(t)[::2] for t in written.table_names()}
+    stored = {(0, t): written.produced.ids_of(t)[::2] for t in written.table_names()}
     dead = Counter(sorted(written.produced.dead)[:-1])
     kept = written.retire_incarnation(stored, dead)
     assert kept["rows_kept"] and kept["rows_lost"] and kept["dead_kept"] and kept["dead_lost"]

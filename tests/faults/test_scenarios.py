@@ -139,7 +139,8 @@ def test_every_cluster_kind_once(cluster_stack: StackControl, tmp_path: Path) ->
     """Issue 27 item 3: each cluster kind once, its target found from the cluster's
     metadata when injected (a data partition's leader, the group's coordinator, a
     partition's transaction coordinator, the KRaft quorum's leader), the operator's
-    recovery after each (the node back, every partition's ISR full), and the run exact."""
+    recovery after each (the node back, every partition's ISR full), and the run exact
+    on both shards (one topic per shard, one job)."""
     kinds = [*driver.CLUSTER_KINDS, "broker_kill9"]
     outcome, _, job = driver.run(cluster_stack, kinds, faults=len(kinds),
                                  messages=300 * (len(kinds) + 1), seed=7,
@@ -147,6 +148,11 @@ def test_every_cluster_kind_once(cluster_stack: StackControl, tmp_path: Path) ->
                                  rows_per_message=5, dead_every=53, settle_s=240,
                                  catch_up_s=300, broker_pause_s=CLUSTER_PAUSE_S)
     _assert_clean(outcome, kinds, job, cluster_stack)
+    assert outcome.report is not None
+    shards = outcome.report.shard_summary()
+    assert set(shards) == {"s1", "s2"} and all(
+        s["rows_expected"] > 0 and s["rows_stored"] == s["rows_expected"]
+        for s in shards.values()), shards
     by_kind = {e["kind"]: e for e in outcome.events}
     nodes = set(cluster_stack.broker_ids)
     for kind in ("leader_kill9", "group_coordinator_kill9", "txn_coordinator_kill9",

@@ -28,6 +28,13 @@ schema is recorded, so the value of every row, the added columns included, is kn
 a row written before a column's version holds its ``DEFAULT``, a row written after,
 ``id * factor % 1000003``.
 
+Two shards (eBay's layout, :attr:`Workload.other_shards`): one multi-table topic per
+shard, ``fx-<run>`` for shard 1 and ``fx-<run>-s<k>`` for shard ``k``; every table (and
+the dead-letter table) exists on every replica of every shard, each message goes to one
+shard's topic (drawn, seeded, on a generator of its own, so a one-shard run draws its
+tables exactly as before), and the ground truth is kept per shard: a shard must hold
+exactly what was produced to its topic.
+
 A run outlives its process (:meth:`Workload.resume`): everything above is rebuilt from
 what the run left in Kafka, the data topic (every message once: the producer is
 idempotent) and the schema topic, so a run whose harness was killed with its whole stack
@@ -198,9 +205,11 @@ def row_tails(count: int, seed: int) -> list[bytes]:
 
 @dataclass
 class Produced:
-    """Ground truth from delivery reports."""
+    """Ground truth from delivery reports. ``ids`` per ``(shard, table)`` (shard 0 is the
+    first; a one-shard run has only 0); dead letters by coordinate, whose topic names
+    the shard."""
 
-    ids: dict[str, list[np.ndarray[Any, Any]]] = field(default_factory=dict)
+    ids: dict[tuple[int, str], list[np.ndarray[Any, Any]]] = field(default_factory=dict)
     dead: set[tuple[str, int, int]] = field(default_factory=set)
     kept_dead: Counter[tuple[str, int, int]] = field(default_factory=Counter)
     """Dead letters of earlier incarnations of the topic (``topic_recreate``) that were
@@ -212,9 +221,14 @@ class Produced:
     bytes: int = 0
     failures: list[str] = field(default_factory=list)
 
-    def ids_of(self, table: str) -> np.ndarray[Any, Any]:
-        parts = self.ids.get(table, [])
+    def ids_of(self, table: str, shard: int | None = None) -> np.ndarray[Any, Any]:
+        """The ids of ``table`` produced to ``shard``'s topic (``None``: every shard's)."""
+        parts = [a for (s, t), arrays in self.ids.items()
+                 if t == table and shard in (None, s) for a in arrays]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+
+    def count_of(self, table: str, shard: int) -> int:
+        return sum(int(a.size) for a in self.ids.get((shard, table), []))
 
 
 def accepted_rows(envelopes: Envelopes) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
@@ -251,6 +265,9 @@ class Workload:
     rows_per_message: int = 10
     dead_every: int = 0
     seed: int = 1
+    other_shards: Sequence[Sequence[int]] = ()
+    """The replicas' ports of every shard after the first (``ch_ports``): with any, the
+    run has one topic per shard (module docstring)."""
     run: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     produced: Produced = field(default_factory=Produced)
     _next_id: int = 1
@@ -269,6 +286,8 @@ class Workload:
         # held by :meth:`produce` and across a topic's deletion and recreation
         self.topic_lock = threading.RLock()
         self.rng = random.Random(self.seed)
+        # the shard of each message: its own generator, so the table draws don't change
+        self.shard_rng = random.Random(self.seed * 7919 + 1)
         self.events = random_events(512, self.seed)
         self.tails = [msg.SerializeToString() for msg in self.events]
         self._producer: Any = None
@@ -281,7 +300,33 @@ class Workload:
 
     @property
     def topic(self) -> str:
+        """Shard 1's topic (the only one of a one-shard run)."""
         return f"fx-{self.run}"
+
+    @property
+    def shards(self) -> int:
+        return 1 + len(self.other_shards)
+
+    @property
+    def topics(self) -> list[str]:
+        """One topic per shard, in shard order."""
+        return [self.topic, *(f"{self.topic}-s{k + 2}" for k in range(len(self.other_shards)))]
+
+    def shard_of_topic(self, topic: str) -> int:
+        try:
+            return self.topics.index(topic)
+        except ValueError:
+            raise ValueError(f"topic {topic!r} is not one of this run's {self.topics}") from None
+
+    @property
+    def shard_ports(self) -> list[tuple[int, ...]]:
+        """Each shard's replicas' native ports, in shard order."""
+        return [tuple(self.ch_ports), *(tuple(p) for p in self.other_shards)]
+
+    @property
+    def replica_shards(self) -> list[int]:
+        """The shard of each replica, in :meth:`clients` order."""
+        return [s for s, ports in enumerate(self.shard_ports) for _ in ports]
 
     @property
     def schema_topic(self) -> str:
@@ -301,10 +346,12 @@ class Workload:
     # -- setup ---------------------------------------------------------------------
 
     def clients(self) -> list[Any]:
+        """One client per replica of every shard (shard order, then replica order): DDL
+        goes to all of them, the checks compare each with its shard's topic."""
         from clickhouse_driver import Client
 
         return [Client(self.ch_host, port=p, connect_timeout=5, send_receive_timeout=120)
-                for p in self.ch_ports]
+                for ports in self.shard_ports for p in ports]
 
     def setup(self, replicated: bool = True) -> None:
         """Tables on every replica, schemas registered, topic created."""
@@ -334,7 +381,8 @@ class Workload:
             store.write(key, value)
 
     def create_topic(self, timeout: float = 60.0, create: bool = True) -> None:
-        """Create the data topic (``create``) and wait until every partition has a leader.
+        """Create the data topics (``create``), one per shard, and wait until every
+        partition has a leader.
         Its replication factor and ``min.insync.replicas`` are the broker's defaults: 1 on a
         single broker, 3 and 2 on the three-broker stack (the job's start-up durability
         check refuses less there)."""
@@ -342,18 +390,21 @@ class Workload:
 
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         if create:
-            futures = admin.create_topics([NewTopic(self.topic, num_partitions=self.partitions,
-                                                    replication_factor=-1)])
+            futures = admin.create_topics([NewTopic(t, num_partitions=self.partitions,
+                                                    replication_factor=-1)
+                                           for t in self.topics])
             for fut in futures.values():
                 fut.result(timeout)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            md = admin.list_topics(self.topic, timeout=10).topics.get(self.topic)
-            if md is not None and md.error is None and len(md.partitions) == self.partitions \
-                    and all(p.leader >= 0 for p in md.partitions.values()):
-                return
-            time.sleep(0.2)
-        raise TimeoutError(f"topic {self.topic} has no leaders after {timeout}s")
+        for topic in self.topics:
+            while True:
+                md = admin.list_topics(topic, timeout=10).topics.get(topic)
+                if md is not None and md.error is None and len(md.partitions) == self.partitions \
+                        and all(p.leader >= 0 for p in md.partitions.values()):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"topic {topic} has no leaders after {timeout}s")
+                time.sleep(0.2)
 
     def drop(self) -> None:
         for client in self.clients():
@@ -374,7 +425,7 @@ class Workload:
             })
         return self._producer
 
-    def _delivery(self, table: str | None, ids: np.ndarray[Any, Any] | None
+    def _delivery(self, table: str | None, ids: np.ndarray[Any, Any] | None, shard: int = 0
                   ) -> Callable[[Any, Any], None]:
         produced = self.produced
 
@@ -388,7 +439,7 @@ class Workload:
                 produced.dead.add((msg.topic(), msg.partition(), msg.offset()))
             else:
                 assert ids is not None
-                produced.ids.setdefault(table, []).append(ids)
+                produced.ids.setdefault((shard, table), []).append(ids)
                 produced.rows += len(ids)
 
         return done
@@ -415,6 +466,13 @@ class Workload:
             rows = [b"\x08" + varint(int(n)) + tails[int(n) % len(tails)] for n in ids]
         return table, ids, make_envelope(table, rows, version=schema.version)
 
+    def route(self) -> tuple[int, str | None, np.ndarray[Any, Any] | None, bytes]:
+        """The next message (:meth:`message`) and the shard whose topic it goes to: drawn
+        on :attr:`shard_rng` with two shards (the table draws stay a one-shard run's), 0
+        with one."""
+        shard = self.shard_rng.randrange(self.shards) if self.shards > 1 else 0
+        return (shard, *self.message())
+
     def produce(self, messages: int, rate: float = 0.0, flush_timeout: float = 300.0) -> None:
         """Produce ``messages`` messages round-robin over the partitions; ``rate``
         messages/s (0 = as fast as possible). Waits for every delivery report. Never
@@ -433,12 +491,12 @@ class Workload:
         producer = self.producer()
         started = time.monotonic()
         for n in range(messages):
-            table, ids, value = self.message()
+            shard, table, ids, value = self.route()
             partition = self._counter % self.partitions
             while True:
                 try:
-                    producer.produce(self.topic, value=value, partition=partition,
-                                     on_delivery=self._delivery(table, ids))
+                    producer.produce(self.topics[shard], value=value, partition=partition,
+                                     on_delivery=self._delivery(table, ids, shard))
                     break
                 except BufferError:
                     producer.poll(0.1)
@@ -530,12 +588,13 @@ class Workload:
 
     # -- the topic deleted and recreated under the job (``topic_recreate``) ---------
 
-    def stored(self, timeout: float = 120.0) -> tuple[dict[str, np.ndarray[Any, Any]],
-                                                      Counter[tuple[str, int, int]]]:
+    def stored(self, timeout: float = 120.0
+               ) -> tuple[dict[tuple[int, str], np.ndarray[Any, Any]],
+                          Counter[tuple[str, int, int]]]:
         """What ClickHouse holds now, after ``SYSTEM SYNC REPLICA`` on every replica:
-        per table the ids stored on any replica, and the dead letters per coordinate
-        (the most any replica holds)."""
-        ids: dict[str, np.ndarray[Any, Any]] = {}
+        per (shard, table) the ids stored on any replica of the shard, and the dead
+        letters per coordinate (the most any replica of its topic's shard holds)."""
+        ids: dict[tuple[int, str], np.ndarray[Any, Any]] = {}
         dead: Counter[tuple[str, int, int]] = Counter()
         clients = self.clients()
         try:
@@ -543,36 +602,40 @@ class Workload:
                 for table in [*self.table_names(), self.dead_letter_table]:
                     client.execute(f"SYSTEM SYNC REPLICA {table}",
                                    settings={"receive_timeout": int(timeout)})
-            for client in clients:
+            for shard, client in zip(self.replica_shards, clients, strict=True):
                 for table in self.table_names():
                     columns = client.execute(f"SELECT id FROM {table}", columnar=True)
                     got = np.asarray(columns[0] if columns else [], dtype=np.uint64)
-                    ids[table] = np.union1d(ids.get(table, np.zeros(0, np.uint64)), got)
+                    key2 = (shard, table)
+                    ids[key2] = np.union1d(ids.get(key2, np.zeros(0, np.uint64)), got)
                 rows = client.execute(
                     f"SELECT topic, partition, offset, count() FROM {self.dead_letter_table} "
                     "GROUP BY topic, partition, offset")
                 for t, part, off, n in rows:
                     key = (str(t), int(part), int(off))
+                    if str(t) in self.topics and self.shard_of_topic(str(t)) != shard:
+                        continue  # another shard's: the check reports it as foreign there
                     dead[key] = max(dead[key], int(n))
         finally:
             for c in clients:
                 c.disconnect()
         return ids, dead
 
-    def retire_incarnation(self, ids: Mapping[str, np.ndarray[Any, Any]],
+    def retire_incarnation(self, ids: Mapping[tuple[int, str], np.ndarray[Any, Any]],
                            dead: Counter[tuple[str, int, int]]) -> dict[str, int]:
         """The topic is about to be deleted with the job stopped: what the job stored
         of it (``ids``, ``dead``: :meth:`stored`) stays expected exactly once, and what
         it had not stored yet went with the topic (the procedure's documented loss,
         docs/protocol.md): no longer expected, and found later it is foreign. Returns
-        the rows and dead letters kept and lost."""
+        the rows and dead letters kept and lost. Every shard's topic is recreated
+        together, so this holds per (shard, table)."""
         kept_rows = lost_rows = 0
-        for table, parts in list(self.produced.ids.items()):
+        for key, parts in list(self.produced.ids.items()):
             want = np.concatenate(parts) if parts else np.zeros(0, np.uint64)
-            kept = np.intersect1d(want, ids.get(table, np.zeros(0, np.uint64)))
+            kept = np.intersect1d(want, ids.get(key, np.zeros(0, np.uint64)))
             kept_rows += int(kept.size)
             lost_rows += int(want.size - kept.size)
-            self.produced.ids[table] = [kept]
+            self.produced.ids[key] = [kept]
         stored_now = {c for c in self.produced.dead if dead[c] > self.produced.kept_dead[c]}
         lost_dead = len(self.produced.dead) - len(stored_now)
         self.produced.kept_dead.update(stored_now)
@@ -586,66 +649,74 @@ class Workload:
         """Right after :meth:`retire_incarnation`: what a resumed run can't read back from
         the new topic (:meth:`restore`), the old incarnations' rows and dead letters still
         expected and each table's first id per schema version (its values)."""
-        tables = [t for t in self.table_names() if self.produced.ids_of(t).size]
+        keys = [(s, t) for s in range(self.shards) for t in self.table_names()
+                if self.produced.count_of(t, s)]
         first = sorted({(t, schema.version, first) for t, seen in self.switches.items()
                         for first, schema in seen})
-        meta = {"tables": tables, "first": first, "next_id": self._next_id,
-                "recreations": self.recreations,
+        meta = {"tables": [t for _, t in keys], "shards": [s for s, _ in keys],
+                "first": first, "next_id": self._next_id, "recreations": self.recreations,
                 "dead": [[*c, n] for c, n in sorted(self.produced.kept_dead.items())]}
         tmp = path.with_name(path.name + ".tmp.npz")
-        # arr_0 the meta, arr_<i + 1> the ids of tables[i]
-        np.savez(tmp, np.array(json.dumps(meta)), *[self.produced.ids_of(t) for t in tables])
+        # arr_0 the meta, arr_<i + 1> the ids of tables[i] on shards[i]
+        np.savez(tmp, np.array(json.dumps(meta)),
+                 *[self.produced.ids_of(t, s) for s, t in keys])
         tmp.replace(path)
 
     def recreate_topic(self, timeout: float = 120.0) -> None:
-        """Delete the data topic, wait until the broker forgot it, create it again
-        (same name and partitions: a new topic id, offsets from 0), and start a new
-        producer (the idempotent producer's sequence numbers were the old topic's)."""
+        """Delete the data topics (every shard's), wait until the broker forgot them,
+        create them again (same names and partitions: new topic ids, offsets from 0),
+        and start a new producer (the idempotent producer's sequence numbers were the
+        old topics')."""
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
         if self._producer is not None:
             self._producer.flush(60)
             self._producer = None
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        admin.delete_topics([self.topic])[self.topic].result(timeout)
+        for topic in self.topics:
+            admin.delete_topics([topic])[topic].result(timeout)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                admin.create_topics([NewTopic(self.topic, num_partitions=self.partitions,
-                                              replication_factor=-1)])[self.topic].result(30)
-                break
-            except Exception as exc:  # still being deleted
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"topic {self.topic} not recreated after {timeout}s: "
-                                       f"{exc}") from exc
-                time.sleep(0.5)
+        for topic in self.topics:
+            while True:
+                try:
+                    admin.create_topics([NewTopic(topic, num_partitions=self.partitions,
+                                                  replication_factor=-1)])[topic].result(30)
+                    break
+                except Exception as exc:  # still being deleted
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"topic {topic} not recreated after {timeout}s: "
+                                           f"{exc}") from exc
+                    time.sleep(0.5)
         self.create_topic(timeout, create=False)
 
-    def reset_group_to_earliest(self, timeout: float = 60.0) -> dict[int, int]:
+    def reset_group_to_earliest(self, timeout: float = 60.0) -> dict[int | str, int]:
         """What ``kafka-consumer-groups.sh --group <metadata group> --topic <topic>
-        --reset-offsets --to-earliest --execute`` does: the group's offset of every
-        partition set to the partition's earliest offset, without metadata (a foreign
-        commit); returns them."""
+        --reset-offsets --to-earliest --execute`` does, for every shard's topic: the
+        group's offset of every partition set to the partition's earliest offset, without
+        metadata (a foreign commit); returns them per partition (one shard) or per
+        ``topic[partition]``."""
         from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, TopicPartition
         from confluent_kafka.admin import AdminClient
 
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group,
                              "enable.auto.commit": False})
         try:
-            earliest = {p: int(consumer.get_watermark_offsets(
-                TopicPartition(self.topic, p), timeout=timeout)[0])
-                for p in range(self.partitions)}
+            earliest = {(t, p): int(consumer.get_watermark_offsets(
+                TopicPartition(t, p), timeout=timeout)[0])
+                for t in self.topics for p in range(self.partitions)}
         finally:
             consumer.close()
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
         [future] = admin.alter_consumer_group_offsets([ConsumerGroupTopicPartitions(
-            self.group, [TopicPartition(self.topic, p, o) for p, o in earliest.items()])
+            self.group, [TopicPartition(t, p, o) for (t, p), o in earliest.items()])
         ]).values()
         for moved in future.result(timeout).topic_partitions:
             if moved.error is not None:
-                raise RuntimeError(f"resetting {self.group} on {self.topic}[{moved.partition}] "
-                                   f"to {earliest[moved.partition]}: {moved.error}")
-        return earliest
+                raise RuntimeError(f"resetting {self.group} on {moved.topic}[{moved.partition}] "
+                                   f"to {earliest[moved.topic, moved.partition]}: {moved.error}")
+        if self.shards == 1:
+            return {p: o for (_, p), o in earliest.items()}
+        return {f"{t}[{p}]": o for (t, p), o in earliest.items()}
 
     # -- resuming a run (its harness and stack killed, its data kept) ---------------
 
@@ -663,12 +734,10 @@ class Workload:
         consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"resume-{run}",
                              "enable.auto.commit": False, "enable.partition.eof": True})
         try:
-            meta = consumer.list_topics(workload.topic, timeout=30).topics[workload.topic]
-
-            def partition(p: int) -> Iterable[tuple[str, int, int, list[bytes | None]]]:
-                _, high = consumer.get_watermark_offsets(TopicPartition(workload.topic, p),
-                                                         timeout=30)
-                consumer.assign([TopicPartition(workload.topic, p, 0)])
+            def partition(topic: str, p: int
+                          ) -> Iterable[tuple[str, int, int, list[bytes | None]]]:
+                _, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+                consumer.assign([TopicPartition(topic, p, 0)])
                 at, first, values = 0, 0, list[bytes | None]()
                 quiet_since = time.monotonic()
                 while at < high:
@@ -679,13 +748,14 @@ class Workload:
                             values.append(msg.value())
                             at, quiet_since = offset + 1, time.monotonic()
                     if time.monotonic() - quiet_since > 120:
-                        raise TimeoutError(f"{workload.topic}[{p}]: stuck at offset {at} "
-                                           f"of {high}")
+                        raise TimeoutError(f"{topic}[{p}]: stuck at offset {at} of {high}")
                     if len(values) >= 200_000 or (values and at >= high):
-                        yield workload.topic, p, first, values
+                        yield topic, p, first, values
                         values = []
 
-            workload.restore((chunk for p in sorted(meta.partitions) for chunk in partition(p)),
+            metas = {t: consumer.list_topics(t, timeout=30).topics[t] for t in workload.topics}
+            workload.restore((chunk for t, meta in metas.items()
+                              for p in sorted(meta.partitions) for chunk in partition(t, p)),
                              {r.table: r for r in registry.registrations()}, retired)
         finally:
             consumer.close()
@@ -696,7 +766,8 @@ class Workload:
                 retired: Path | None = None) -> None:
         """Rebuild what :meth:`produce` and :meth:`schema_change` recorded from what
         they wrote: ``chunks`` are (topic, partition, first offset, consecutive message
-        values), ``registrations`` the schema topic's; after a ``topic_recreate``,
+        values; each topic's go to its shard), ``registrations`` the schema topic's;
+        after a ``topic_recreate``,
         ``retired`` (:meth:`save_retired`) adds what the old incarnations left expected.
 
         Holds because every value is a function of what the producer knew: a row's id
@@ -705,20 +776,22 @@ class Workload:
         from their name), and ids only grow, so the first id of a (table, version) is
         where its producer switched. The table order of future messages differs from an
         uninterrupted run's (the seeded draw restarts); their ids stay unique."""
-        ids: dict[str, list[np.ndarray[Any, Any]]] = {}
+        ids: dict[tuple[int, str], list[np.ndarray[Any, Any]]] = {}
         first_of: dict[tuple[str, int], int] = {}
         produced = Produced()
         next_id = 1
         if retired is not None and retired.exists():
             with np.load(retired) as saved:
                 meta = json.loads(str(saved["arr_0"]))
-                for i, name in enumerate(meta["tables"]):
-                    ids[name] = [saved[f"arr_{i + 1}"]]
+                shards = meta.get("shards") or [0] * len(meta["tables"])
+                for i, (shard, name) in enumerate(zip(shards, meta["tables"], strict=True)):
+                    ids[int(shard), name] = [saved[f"arr_{i + 1}"]]
             produced.kept_dead = Counter({(t, int(p), int(o)): int(n)
                                           for t, p, o, n in meta["dead"]})
             first_of = {(name, int(v)): int(first) for name, v, first in meta["first"]}
             next_id, self.recreations = int(meta["next_id"]), int(meta["recreations"])
         for topic, partition, offset, values in chunks:
+            shard = self.shard_of_topic(topic)
             env = parse_envelopes(values)
             produced.messages += len(values)
             produced.bytes += sum(len(v or b"") for v in values)
@@ -728,7 +801,7 @@ class Workload:
                 mine = env.table_index[message] == t
                 if not mine.any():
                     continue
-                ids.setdefault(name, []).append(rows[mine])
+                ids.setdefault((shard, name), []).append(rows[mine])
                 versions = env.versions[message][mine]
                 for v in np.unique(versions).tolist():
                     low = int(rows[mine][versions == v].min())
@@ -857,8 +930,20 @@ class Workload:
         return list(out.values())
 
     def job_config(self, path: Path, checkpoint: Path, replicas: Sequence[str],
-                   extra: str = "", quorum: int = 2) -> Path:
-        """A job TOML for this workload (the keys of ``docs/configuration.md``)."""
+                   extra: str = "", quorum: int = 2,
+                   other_replicas: Sequence[Sequence[str]] = ()) -> Path:
+        """A job TOML for this workload (the keys of ``docs/configuration.md``): one
+        ``[[topics]]`` entry per shard, shard 1's topic to ``replicas`` and shard ``k``'s
+        to ``other_replicas[k - 2]`` (eBay's one topic per shard, one job for both)."""
+        if len(other_replicas) != len(self.other_shards):
+            raise ValueError(f"{len(other_replicas)} other shards' replicas given, the run "
+                             f"has {len(self.other_shards)}: give one list per shard after "
+                             "the first")
+        more = "".join(f"""
+[[topics]]
+name = "{topic}"
+replicas = [{", ".join(f'"{r}"' for r in shard)}]
+""" for topic, shard in zip(self.topics[1:], other_replicas, strict=True))
         text = f"""
 [job]
 name = "{self.group}"
@@ -870,7 +955,7 @@ starting_offsets = "earliest"
 [[topics]]
 name = "{self.topic}"
 replicas = [{", ".join(f'"{r}"' for r in replicas)}]
-
+{more}
 [clickhouse]
 database = "{self.database}"
 insert_quorum = {quorum}
