@@ -260,6 +260,78 @@ def decide_envelopes(plan: TablePlan, envelopes: Envelopes, messages: I64,
     return _decide(plan, decoded, counts, columnar)
 
 
+def decide_envelopes_many(items: Sequence[tuple[TablePlan, I64]], envelopes: Envelopes,
+                          columnar: bool = True) -> list[Decisions]:
+    """:func:`decide_envelopes` of each ``(plan, messages)`` of ``items``, the same
+    :class:`Decisions` row for row, with the per-call cost paid once per *shape*
+    rather than once per table: the items whose plans share the message descriptor
+    (:attr:`proto.registry.SchemaVersion.descriptor` is one object per distinct
+    schema) and convert the same fields to the same types are decoded in one
+    :func:`~proto.decode.decode_in_place` and converted in one
+    :func:`~aggregator.clickhouse.types.convert_array` per column; each item gets a
+    :class:`ColumnSet` of its own plan over those shared columns, its rows a range of
+    them.
+
+    Why the columns are the same as one call per item gives: a row that decodes is
+    read within its own bytes (:func:`~proto.decode.decode_in_place`) and the
+    vectorised conversions are elementwise, so each item's rows get the same values
+    and, as the shared path is taken only when every column converts to an array or
+    a Native column (no list), the same representation, hence the same insert bytes
+    (the block's deduplication hash). When a row of the shape does not decode or
+    convert, or a column falls back to lists, each item of that shape goes through
+    :func:`decide_envelopes` alone, whose reasons are the per-message path's."""
+    out: list[Decisions | None] = [None] * len(items)
+    shapes: dict[tuple[Any, ...], list[int]] = {}
+    for k, (plan, _) in enumerate(items):
+        if not columnar:
+            out[k] = decide_envelopes(plan, envelopes, items[k][1], columnar)
+            continue
+        key = (id(plan.descriptor), repr(plan.types),
+               tuple(None if fd is None else id(fd) for fd in plan.fields))
+        shapes.setdefault(key, []).append(k)
+    for members in shapes.values():
+        shared = (_decide_shared([items[k] for k in members], envelopes)
+                  if len(members) > 1 else None)
+        for j, k in enumerate(members):
+            out[k] = shared[j] if shared is not None else decide_envelopes(
+                items[k][0], envelopes, items[k][1], columnar)
+    return [d for d in out if d is not None]
+
+
+def _decide_shared(items: Sequence[tuple[TablePlan, I64]], envelopes: Envelopes
+                   ) -> list[Decisions] | None:
+    """The :class:`Decisions` of items of one shape (:func:`decide_envelopes_many`)
+    from one decode and conversion, or ``None`` when a row does not decode or
+    convert, or a column converts to a list."""
+    sizes = [m.size for _, m in items]
+    messages = np.concatenate([m for _, m in items])
+    buf, starts, ends, counts = envelopes.rows_in_spans(messages)
+    plan = items[0][0]
+    decoded = decode_in_place(plan.descriptor, buf, starts, ends)
+    if decoded is None:
+        return None
+    values: list[Any] = []
+    for ch, fd in zip(plan.types, plan.fields, strict=True):
+        if fd is None:
+            values.append([])
+            continue
+        converted = convert_array(ch, fd, decoded.columns[fd.name])
+        if converted.errors or isinstance(converted.values, list):
+            return None
+        values.append(converted.values)
+    shared = tuple(values)
+    edges = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    out: list[Decisions] = []
+    first = 0
+    for (item_plan, _), size in zip(items, sizes, strict=True):
+        part = counts[first:first + size]
+        reasons = {int(i): "envelope carries no rows" for i in np.flatnonzero(part == 0)}
+        out.append(Decisions(ColumnSet(item_plan, shared), edges[first:first + size + 1],
+                             reasons))
+        first += size
+    return out
+
+
 def _messages(plan: TablePlan, decoded: Decoded, counts: I64, columnar: bool
               ) -> list[Rows | str]:
     decided = _decide(plan, decoded, counts, columnar)
