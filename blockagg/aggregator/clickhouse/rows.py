@@ -3,7 +3,9 @@
 The task side decodes every message of a micro-batch partition *before* the core
 routes it, so a message whose rows don't decode or convert is known to be a dead
 letter when the core sees it (its table id is 0): routing stays a pure function of
-the messages. Decoding is vectorised over all messages of one (table, version):
+the messages. Decoding is vectorised over all messages of one (table, version), and
+in a batch over all tables of one shape (:func:`decide_envelopes_many`: one decode
+and conversion per message type, not per table, the same columns):
 :func:`decode_messages` returns one :class:`Rows` payload per good message (a slice
 of a shared :class:`ColumnSet`) and a reason per bad one; :func:`decide_envelopes`
 the same as :class:`Decisions`, which the task keeps as :class:`Payloads` (columns and
