@@ -96,13 +96,17 @@ def test_tables_of_one_shape_decide_and_insert_as_per_message(
 
     @settings(max_examples=120, derandomize=True, deadline=None, database=None)
     @given(st.lists(envelope(inner, wide), min_size=1, max_size=30),
-           st.integers(1, 12), st.booleans())
-    def check(values: list[bytes], max_rows: int, numpy: bool) -> None:
+           st.integers(1, 12), st.booleans(), st.sampled_from([1 << 15, 4]))
+    def check(values: list[bytes], max_rows: int, numpy: bool, chunk: int) -> None:
         messages = messages_of(values)
         old = prepare("top", 2, messages, Plans(snapshot, lambda t: LIVE[t]), "bl.dead")
-        new = prepare_envelopes("top", 2, [m.offset for m in messages],
-                                [m.timestamp_ms for m in messages], values,
-                                Plans(snapshot, lambda t: LIVE[t]), "bl.dead")
+        default, rows_module.SHARED_DECODE_ROWS = rows_module.SHARED_DECODE_ROWS, chunk
+        try:  # 4: shapes cut into several decodes
+            new = prepare_envelopes("top", 2, [m.offset for m in messages],
+                                    [m.timestamp_ms for m in messages], values,
+                                    Plans(snapshot, lambda t: LIVE[t]), "bl.dead")
+        finally:
+            rows_module.SHARED_DECODE_ROWS = default
         assert old.table_ids.tolist() == new.table_ids.tolist()
         assert old.row_counts.tolist() == new.row_counts.tolist()
         assert list(old.tables.items()) == list(new.tables.items())
@@ -154,6 +158,11 @@ def test_tables_of_one_shape_share_one_decode(sample: Descriptor, sample_fds: by
     assert by_table["db.a"].columns.values is by_table["db.d"].columns.values
     assert by_table["db.e"].columns.values is by_table["db.f"].columns.values
     assert by_table["db.a"].columns.values is not by_table["db.e"].columns.values
+    calls.clear()
+    monkeypatch.setattr(rows_module, "SHARED_DECODE_ROWS", 8)  # two tables' rows a decode
+    prepare_envelopes("top", 0, list(range(len(values))), [5_000] * len(values),
+                      values, Plans(registry(sample_fds, shapes_fds), lambda t: LIVE[t]))
+    assert calls == [8, 4, 8]
     got = [(p.columns.plan.table, np.asarray(p.columns.values[0][p.start:p.stop]).tolist())
            for p in payloads if isinstance(p, Rows)]
     assert got == [(t, [i, i]) for i, t in enumerate([*INNER_TABLES, *INNER_TABLES])]
