@@ -38,7 +38,7 @@ from blockagg.aggregator.clickhouse.types import (
     field_mismatch,
     parse_type,
 )
-from blockagg.proto.decode import Decoded, decode_in_place, decode_ranges, decode_rows
+from blockagg.proto.decode import PAD, Decoded, decode_in_place, decode_ranges, decode_rows
 from blockagg.proto.envelope import Envelopes
 
 I64 = npt.NDArray[np.int64]
@@ -333,7 +333,7 @@ def _decide_shared(items: Sequence[tuple[TablePlan, I64]], envelopes: Envelopes
     convert, or a column converts to a list."""
     sizes = [m.size for _, m in items]
     messages = np.concatenate([m for _, m in items])
-    buf, starts, ends, counts = envelopes.rows_in_spans(messages)
+    buf, starts, ends, counts = _rows_where_they_lie(envelopes, messages)
     plan = items[0][0]
     decoded = decode_in_place(plan.descriptor, buf, starts, ends)
     if decoded is None:
@@ -358,6 +358,22 @@ def _decide_shared(items: Sequence[tuple[TablePlan, I64]], envelopes: Envelopes
                              reasons))
         first += size
     return out
+
+
+def _rows_where_they_lie(envelopes: Envelopes, messages: I64) -> tuple[
+        npt.NDArray[np.uint8], I64, I64, I64]:
+    """The rows of ``messages`` as :meth:`~proto.envelope.Envelopes.rows_in_spans`
+    gives them, but left in the envelopes' buffer (which ends with the decoder's zero
+    padding) instead of copied message by message: a row that decodes does so
+    wherever it lies (:func:`~proto.decode.decode_in_place`)."""
+    buf = envelopes.buf
+    if buf.size < PAD or buf[buf.size - PAD:].any():
+        return envelopes.rows_in_spans(messages)
+    lo, hi = envelopes.row_lo[messages], envelopes.row_hi[messages]
+    counts = hi - lo
+    rows = (np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+            + np.arange(int(counts.sum()), dtype=np.int64))
+    return buf, envelopes.row_starts[rows], envelopes.row_ends[rows], counts
 
 
 def _messages(plan: TablePlan, decoded: Decoded, counts: I64, columnar: bool
