@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Final, overload
 
 import numpy as np
@@ -88,6 +89,14 @@ class TablePlan:
     @property
     def coordinates(self) -> bool:
         return all(c in self.columns for c in COORDINATE_COLUMNS)
+
+    @cached_property
+    def shape(self) -> tuple[Any, ...]:
+        """What decides the plan's decoded and converted columns: its descriptor
+        (one object per distinct schema), and each column's field and type. Plans of
+        one shape are decoded together (:func:`decide_envelopes_many`)."""
+        return (id(self.descriptor), repr(self.types),
+                tuple(None if fd is None else id(fd) for fd in self.fields))
 
     @property
     def incarnation(self) -> bool:
@@ -288,9 +297,7 @@ def decide_envelopes_many(items: Sequence[tuple[TablePlan, I64]], envelopes: Env
         if not columnar:
             out[k] = decide_envelopes(plan, envelopes, items[k][1], columnar)
             continue
-        key = (id(plan.descriptor), repr(plan.types),
-               tuple(None if fd is None else id(fd) for fd in plan.fields))
-        shapes.setdefault(key, []).append(k)
+        shapes.setdefault(plan.shape, []).append(k)
     for members in shapes.values():
         for chunk in _chunks(members, items, envelopes):
             shared = (_decide_shared([items[k] for k in chunk], envelopes)
