@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from google.protobuf.descriptor import Descriptor
@@ -61,6 +61,14 @@ log = logging.getLogger(__name__)
 DEFAULT_TOPIC: Final = "_blockagg_schemas"
 
 
+@lru_cache(maxsize=4096)
+def shared_descriptor(file_descriptor_set: bytes, message_name: str) -> Descriptor:
+    """:func:`proto.descriptors.load_descriptor`, one object per distinct input (a
+    descriptor is immutable and a pure function of its bytes; an evicted entry only
+    loses the sharing, never changes a decode)."""
+    return load_descriptor(file_descriptor_set, message_name)
+
+
 @dataclass(frozen=True)
 class SchemaVersion:
     version: int
@@ -78,7 +86,11 @@ class SchemaVersion:
 
     @cached_property
     def descriptor(self) -> Descriptor:
-        return load_descriptor(self.file_descriptor_set, self.message_name)
+        """The version's message descriptor: one object for every version (of any
+        table) registered with the same bytes and message name, so that the rows of
+        tables sharing a message type are decoded in one pass
+        (:func:`aggregator.clickhouse.rows.decide_envelopes_many`)."""
+        return shared_descriptor(self.file_descriptor_set, self.message_name)
 
 
 @dataclass(frozen=True)

@@ -293,6 +293,16 @@ def _binary_str(text: str) -> bytes:
     return _varint(len(raw)) + raw
 
 
+@functools.lru_cache(maxsize=4096)
+def _column_headers(columns_with_types: tuple[tuple[str, str], ...], custom: bool
+                    ) -> tuple[bytes, ...]:
+    """Each column's header in a Data packet (name, type, and with ``custom`` the
+    custom-serialisation byte): the same for every block of a table, so built once
+    per (sample block, protocol) rather than once per insert."""
+    return tuple(_binary_str(name) + _binary_str(spec) + (b"\x00" if custom else b"")
+                 for name, spec in columns_with_types)
+
+
 BLOCK_INFO: Final = b"\x01\x00\x02\xff\xff\xff\xff\x00"
 """clickhouse-driver's ``BlockInfo``: field 1 ``is_overflows`` 0, field 2
 ``bucket_num`` -1, end."""
@@ -346,8 +356,9 @@ class NativeBlock(tuple[NativeValues, ...]):
         parts = [BLOCK_INFO] if revision >= defines.DBMS_MIN_REVISION_WITH_BLOCK_INFO else []
         parts.append(_varint(len(self.names)) + _varint(self.rows))
         custom = revision >= defines.DBMS_MIN_REVISION_WITH_CUSTOM_SERIALIZATION
-        for (name, spec), data in zip(columns_with_types, self.encoded, strict=True):
-            parts.append(_binary_str(name) + _binary_str(spec) + (b"\x00" if custom else b""))
+        headers = _column_headers(tuple((n, t) for n, t in columns_with_types), custom)
+        for header, data in zip(headers, self.encoded, strict=True):
+            parts.append(header)
             parts.append(data)
         return parts
 

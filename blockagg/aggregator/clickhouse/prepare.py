@@ -32,7 +32,7 @@ from blockagg.aggregator.clickhouse.rows import (
     Payloads,
     Rows,
     TablePlan,
-    decide_envelopes,
+    decide_envelopes_many,
     decode_messages,
     make_plan,
     with_incarnation,
@@ -465,9 +465,13 @@ def prepare_envelopes(topic: str, partition: int,
             accept(members[latest == number], table, int(number))
     tables: dict[int, str] = {}
     decided = np.flatnonzero(resolved > 0)
-    for members, table, version in _by_table_version(env, decided, resolved[decided]):
-        plan, _ = plans.plan(table, version)  # a resolved version: pinned
-        outcome = decide_envelopes(plan, env, members, columnar)
+    groups = [(members, table, plans.plan(table, version)[0])  # resolved versions: pinned
+              for members, table, version in _by_table_version(env, decided,
+                                                               resolved[decided])]
+    outcomes = decide_envelopes_many([(plan, members) for members, _, plan in groups], env,
+                                     columnar)
+    for (members, table, plan), outcome in zip(groups, outcomes, strict=True):
+        version = plan.version
         good = np.ones(members.size, dtype=np.bool_)
         for j, reason in outcome.reasons.items():
             good[j] = False
