@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
+import ipaddress
 import os
 import re
 import shlex
@@ -91,6 +92,13 @@ BROKER_PORT_STEP = 2
 KAFKA_CLUSTER_HEAP = ["-Xms128m", "-Xmx384m"]  # per broker of a cluster (docs/stack.md)
 # Shard 02's replicas r3/r4 use shard 01's r1/r2 ports + SHARD_PORT_STEP (19200, 19300, ...).
 SHARD_PORT_STEP = 200
+# `up --brokers 3 --isolate-brokers`: each Kafka node in its own network namespace, on a
+# private subnet behind a bridge of the root namespace (docs/stack.md#isolated-brokers), so
+# `scripts/stack cut N` can take one node off the network both ways. Remembered in the
+# topology file; BLOCKAGG_STACK_ISOLATE_BROKERS (1/0) overrides it.
+ISOLATE_VAR = "BLOCKAGG_STACK_ISOLATE_BROKERS"
+BROKER_NET_FILE = "broker-network"  # what up created, so down removes it even after a crash
+BROKER_SUBNET_PREFIX = "10.77"
 
 
 class StackError(RuntimeError):
@@ -155,6 +163,7 @@ class Broker:
     node_id: int
     port: int
     controller_port: int
+    host: str = HOST  # its own address on the brokers' subnet when isolated
 
     @property
     def service(self) -> str:
@@ -169,23 +178,41 @@ def _count(raw: str, allowed: tuple[int, ...], what: str) -> int:
     return int(raw)
 
 
-def read_topology(root: Path, env: Mapping[str, str]) -> tuple[int, int]:
-    """(brokers, shards): the environment's override, else what ``up`` remembered in
-    ``root``, else (1, 1)."""
+def _remembered(root: Path) -> dict[str, str]:
     remembered: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in (root / TOPOLOGY_FILE).read_text().splitlines():
             key, sep, value = line.partition("=")
             if sep:
                 remembered[key.strip()] = value.strip()
+    return remembered
+
+
+def read_topology(root: Path, env: Mapping[str, str]) -> tuple[int, int]:
+    """(brokers, shards): the environment's override, else what ``up`` remembered in
+    ``root``, else (1, 1)."""
+    remembered = _remembered(root)
     brokers = env.get(BROKERS_VAR) or remembered.get("brokers") or "1"
     shards = env.get(SHARDS_VAR) or remembered.get("shards") or "1"
     return (_count(brokers, BROKER_COUNTS, f"brokers ({BROKERS_VAR} or {root / TOPOLOGY_FILE})"),
             _count(shards, SHARD_COUNTS, f"shards ({SHARDS_VAR} or {root / TOPOLOGY_FILE})"))
 
 
-def render_topology(brokers: int, shards: int) -> str:
-    return f"# written by scripts/stack up\nbrokers={brokers}\nshards={shards}\n"
+def read_isolation(root: Path, env: Mapping[str, str]) -> bool:
+    """Whether the Kafka nodes run isolated: ``BLOCKAGG_STACK_ISOLATE_BROKERS``, else what
+    ``up --isolate-brokers`` remembered in ``root``, else not."""
+    raw = env.get(ISOLATE_VAR) or _remembered(root).get("isolate_brokers") or "0"
+    if raw not in ("0", "1"):
+        raise StackError(f"{ISOLATE_VAR}={raw!r}: give 1 (each Kafka node in its own network "
+                         "namespace) or 0")
+    return raw == "1"
+
+
+def render_topology(brokers: int, shards: int, isolate_brokers: bool = False) -> str:
+    """The topology file; ``isolate_brokers=1`` only when set, so a stack without the flag
+    writes the same file as before it existed."""
+    return (f"# written by scripts/stack up\nbrokers={brokers}\nshards={shards}\n"
+            + ("isolate_brokers=1\n" if isolate_brokers else ""))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +226,7 @@ class StackConfig:
     ch_zk_session_timeout_ms: int = 30_000
     brokers: int = 1  # Kafka nodes: 1 or 3
     shards: int = 1  # ClickHouse shards of two replicas: 1 or 2
+    isolate_brokers: bool = False  # each Kafka node in its own network namespace
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StackConfig:
@@ -213,13 +241,17 @@ class StackConfig:
             ch_zk_session_timeout_ms=_zk_session_timeout_ms(env),
             brokers=brokers,
             shards=shards,
+            isolate_brokers=read_isolation(root, env),
         )
         cfg.check_ports()
         return cfg
 
-    def with_topology(self, brokers: int | None, shards: int | None) -> StackConfig:
-        cfg = dataclasses.replace(self, brokers=brokers or self.brokers,
-                                  shards=shards or self.shards)
+    def with_topology(self, brokers: int | None, shards: int | None,
+                      isolate_brokers: bool | None = None) -> StackConfig:
+        cfg = dataclasses.replace(
+            self, brokers=brokers or self.brokers, shards=shards or self.shards,
+            isolate_brokers=self.isolate_brokers if isolate_brokers is None
+            else isolate_brokers)
         cfg.check_ports()
         return cfg
 
@@ -244,13 +276,20 @@ class StackConfig:
     @property
     def kafka_brokers(self) -> tuple[Broker, ...]:
         p = self.ports
+        net = self.broker_network if self.isolate_brokers else None
         return tuple(Broker(n, p.kafka + BROKER_PORT_STEP * (n - 1),
-                            p.kafka_controller + BROKER_PORT_STEP * (n - 1))
+                            p.kafka_controller + BROKER_PORT_STEP * (n - 1),
+                            net.address(n) if net else HOST)
                      for n in range(1, self.brokers + 1))
 
     @property
+    def broker_network(self) -> BrokerNetwork:
+        """The names and addresses ``--isolate-brokers`` gives this stack's Kafka nodes."""
+        return BrokerNetwork.for_stack(self.ports.kafka, self.brokers)
+
+    @property
     def bootstrap_servers(self) -> str:
-        return ",".join(f"{HOST}:{b.port}" for b in self.kafka_brokers)
+        return ",".join(f"{b.host}:{b.port}" for b in self.kafka_brokers)
 
     @property
     def replicas(self) -> tuple[Replica, ...]:
@@ -386,16 +425,19 @@ def render_kafka_properties(cfg: StackConfig, broker: Broker | None = None) -> s
 
 def render_cluster_kafka_properties(cfg: StackConfig, broker: Broker) -> str:
     data = cfg.service_dir(broker.service) / "data"
-    voters = ",".join(f"{b.node_id}@{HOST}:{b.controller_port}" for b in cfg.kafka_brokers)
+    voters = ",".join(f"{b.node_id}@{b.host}:{b.controller_port}" for b in cfg.kafka_brokers)
     n = len(cfg.kafka_brokers)
+    where = (f"network namespace {cfg.broker_network.namespace(broker.node_id)}"
+             if cfg.isolate_brokers else "loopback")
+    h = broker.host
     lines = [
         f"# generated by scripts/stack: Kafka KRaft combined mode, node {broker.node_id} of "
-        f"{n}, loopback",
+        f"{n}, {where}",
         "process.roles=broker,controller",
         f"node.id={broker.node_id}",
         f"controller.quorum.voters={voters}",
-        f"listeners=PLAINTEXT://{HOST}:{broker.port},CONTROLLER://{HOST}:{broker.controller_port}",
-        f"advertised.listeners=PLAINTEXT://{HOST}:{broker.port}",
+        f"listeners=PLAINTEXT://{h}:{broker.port},CONTROLLER://{h}:{broker.controller_port}",
+        f"advertised.listeners=PLAINTEXT://{h}:{broker.port}",
         "controller.listener.names=CONTROLLER",
         "inter.broker.listener.name=PLAINTEXT",
         "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
@@ -739,6 +781,8 @@ def env_values(cfg: StackConfig, spark_jars: Sequence[Path]) -> dict[str, str]:
     if cfg.brokers > 1 or cfg.shards > 1:
         values[BROKERS_VAR] = str(cfg.brokers)
         values[SHARDS_VAR] = str(cfg.shards)
+    if cfg.isolate_brokers:
+        values[ISOLATE_VAR] = "1"
     if cfg.shards > 1:
         # shard 02's replicas (BLOCKAGG_CH_PORTS & co. stay shard 01's)
         shard2 = cfg.shard_replicas()["02"]
@@ -815,10 +859,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def probe_kafka(port: int, timeout: float = 2.0) -> bool:
+def probe_kafka(port: int, timeout: float = 2.0, host: str = HOST) -> bool:
     """True when the broker answers a Metadata request listing at least one broker."""
     try:
-        with socket.create_connection((HOST, port), timeout=timeout) as s:
+        with socket.create_connection((host, port), timeout=timeout) as s:
             s.settimeout(timeout)
             s.sendall(kafka_metadata_request(7))
             (size,) = struct.unpack(">i", _recv_exact(s, 4))
@@ -911,6 +955,7 @@ class Service:
     logs: list[Path]
     prepare: Callable[[], None] = lambda: None
     startup_timeout: float = 90.0
+    host: str = HOST  # the address its ports are on (an isolated broker's own)
 
     @property
     def pidfile(self) -> Path:
@@ -1120,17 +1165,21 @@ def build_services(cfg: StackConfig) -> dict[str, Service]:
         )
     for b in cfg.kafka_brokers:
         kafka_dir = cfg.service_dir(b.service)
+        # isolated: `ip netns exec` enters the node's namespace and execs java (same pid)
+        netns = (["ip", "netns", "exec", cfg.broker_network.namespace(b.node_id)]
+                 if cfg.isolate_brokers else [])
         services[b.service] = Service(
             name=b.service,
             ports={"broker": b.port, "controller": b.controller_port},
             workdir=kafka_dir,
-            command=lambda b=b, d=kafka_dir: [  # type: ignore[misc]
-                *kafka_java(b), "kafka.Kafka", str(d / "server.properties")],
-            probe=lambda b=b: probe_kafka(b.port),  # type: ignore[misc]
+            command=lambda b=b, d=kafka_dir, netns=netns: [  # type: ignore[misc]
+                *netns, *kafka_java(b), "kafka.Kafka", str(d / "server.properties")],
+            probe=lambda b=b: probe_kafka(b.port, host=b.host),  # type: ignore[misc]
             marker=str(kafka_dir / "server.properties"),
             logs=[],
             prepare=lambda b=b: kafka_prepare(b),  # type: ignore[misc]
             startup_timeout=120,
+            host=b.host,
         )
     return services
 
@@ -1289,14 +1338,231 @@ def installed(cfg: StackConfig) -> bool:
     )
 
 
+
+# --------------------------------------------------------------------------------------------
+# Isolated brokers (`up --brokers 3 --isolate-brokers`, `cut`, `heal`)
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokerNetwork:
+    """Where ``--isolate-brokers`` puts a stack's Kafka nodes: node n in network namespace
+    ``blockagg-<port>-n<n>``, joined by a veth pair (``bagg<port>n<n>`` in the root
+    namespace, ``...p`` in the node's) to the bridge ``bagg<port>`` on the private subnet
+    ``10.77.<port mod 256>.0/24`` (bridge .1, node n .1n), ``<port>`` being the stack's
+    ``BLOCKAGG_KAFKA_PORT``. Two stacks on one machine never share a port, so never a name;
+    their port shifts of a multiple of 1000 (CI's 0-9000) never share a subnet either, and
+    ``up`` refuses a subnet already on the machine. Pure: names and addresses only."""
+
+    tag: int  # the stack's BLOCKAGG_KAFKA_PORT
+    nodes: int
+
+    @classmethod
+    def for_stack(cls, kafka_port: int, brokers: int) -> BrokerNetwork:
+        return cls(kafka_port, brokers)
+
+    @property
+    def octet(self) -> int:
+        return self.tag % 256
+
+    @property
+    def subnet(self) -> str:
+        return f"{BROKER_SUBNET_PREFIX}.{self.octet}.0/24"
+
+    @property
+    def gateway(self) -> str:
+        """The bridge's address: what the root namespace reaches the nodes from."""
+        return f"{BROKER_SUBNET_PREFIX}.{self.octet}.1"
+
+    @property
+    def bridge(self) -> str:
+        return f"bagg{self.tag}"
+
+    def address(self, node: int) -> str:
+        return f"{BROKER_SUBNET_PREFIX}.{self.octet}.{10 + node}"
+
+    def namespace(self, node: int) -> str:
+        return f"blockagg-{self.tag}-n{node}"
+
+    def veth(self, node: int) -> str:
+        """The root-namespace end of node ``node``'s veth pair: a cut sets it down."""
+        return f"bagg{self.tag}n{node}"
+
+    def peer(self, node: int) -> str:
+        return f"bagg{self.tag}n{node}p"
+
+    def record(self) -> str:
+        """What ``up`` writes to BROKER_NET_FILE before creating anything, so ``down``
+        removes exactly this stack's namespaces, veths and bridge, even after a crash."""
+        lines = [f"subnet {self.subnet}", f"bridge {self.bridge}"]
+        for n in range(1, self.nodes + 1):
+            lines += [f"namespace {self.namespace(n)}", f"veth {self.veth(n)}"]
+        return "# written by scripts/stack up --isolate-brokers\n" + "\n".join(lines) + "\n"
+
+
+def parse_network_record(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        kind, _, name = line.partition(" ")
+        if line and not line.startswith("#") and name:
+            out.setdefault(kind, []).append(name.strip())
+    return out
+
+
+def isolation_problem(euid: int | None = None, ip: str | None = "") -> str | None:
+    """Why ``--isolate-brokers`` cannot run here (one line), or None: it needs root and
+    iproute2's ``ip`` to create network namespaces, veth pairs and a bridge."""
+    euid = os.geteuid() if euid is None else euid
+    ip = shutil.which("ip") if ip == "" else ip
+    if euid != 0:
+        return (f"--isolate-brokers needs root (uid {euid}): it creates network namespaces, "
+                "veth pairs and a bridge; run as root or drop the flag")
+    if ip is None:
+        return ("--isolate-brokers needs iproute2's `ip` command, not found on PATH: "
+                "apt-get install -y iproute2, or drop the flag")
+    return None
+
+
+def check_isolation(cfg: StackConfig) -> None:
+    """Refuse ``--isolate-brokers`` in one line where it cannot work."""
+    if cfg.brokers != 3:
+        raise StackError(f"--isolate-brokers isolates the nodes of a cluster: give --brokers 3 "
+                         f"(this stack has {cfg.brokers})")
+    problem = isolation_problem()
+    if problem:
+        raise StackError(problem)
+
+
+NETNS_DIR = Path("/var/run/netns")
+
+
+def _link_exists(name: str) -> bool:
+    """A network interface of the root namespace (this process's) by that name."""
+    return Path("/sys/class/net", name).exists()
+
+
+def _netns_exists(name: str) -> bool:
+    return (NETNS_DIR / name).exists()
+
+
+def _ip(*args: str) -> None:
+    res = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if res.returncode != 0:
+        raise StackError(f"`ip {' '.join(args)}` failed: {res.stderr.strip()} "
+                         "(docs/stack.md#isolated-brokers)")
+
+
+def subnet_clash(subnet: str, addresses: Iterable[str]) -> str | None:
+    """The first of ``addresses`` (``a.b.c.d/len``, as ``ip -o -4 addr`` lists them) whose
+    network overlaps ``subnet``, or None."""
+    net = ipaddress.ip_network(subnet)
+    for a in addresses:
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_interface(a).network.overlaps(net):
+                return a
+    return None
+
+
+def _root_addresses() -> list[str]:
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                         check=False).stdout
+    return [f.split()[3] for f in out.splitlines() if len(f.split()) > 3]
+
+
+def ensure_broker_network(cfg: StackConfig) -> None:
+    """Create whatever of the stack's broker network is missing (idempotent: after a crash
+    it completes what is there). An existing veth keeps its state: a cut node stays cut
+    until ``heal``."""
+    check_isolation(cfg)
+    net = cfg.broker_network
+    record = cfg.root / BROKER_NET_FILE
+    if not _link_exists(net.bridge):
+        clash = subnet_clash(net.subnet, _root_addresses())
+        if clash:
+            raise StackError(f"the brokers' subnet {net.subnet} overlaps {clash} on this "
+                             "machine; move BLOCKAGG_KAFKA_PORT (the third number is it mod 256)")
+    elif not record.exists():
+        raise StackError(f"bridge {net.bridge} exists but {cfg.root} did not create it: "
+                         f"another stack with BLOCKAGG_KAFKA_PORT={net.tag} isolates its "
+                         "brokers; give this stack other ports")
+    cfg.root.mkdir(parents=True, exist_ok=True)
+    record.write_text(net.record())
+    if not _link_exists(net.bridge):
+        _ip("link", "add", net.bridge, "type", "bridge", "forward_delay", "0")
+        _ip("addr", "add", f"{net.gateway}/24", "dev", net.bridge)
+    _ip("link", "set", net.bridge, "up")
+    for n in range(1, net.nodes + 1):
+        ns, veth, peer = net.namespace(n), net.veth(n), net.peer(n)
+        if not _netns_exists(ns):
+            _ip("netns", "add", ns)
+        if not _link_exists(veth):
+            _ip("link", "add", veth, "type", "veth", "peer", "name", peer, "netns", ns)
+            _ip("link", "set", veth, "master", net.bridge)
+            _ip("link", "set", veth, "up")
+        _ip("-n", ns, "addr", "replace", f"{net.address(n)}/24", "dev", peer)
+        _ip("-n", ns, "link", "set", peer, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+
+def teardown_broker_network(cfg: StackConfig) -> list[str]:
+    """Remove the namespaces, veths and bridge that ``up`` recorded for this stack
+    (whatever of them exists: idempotent, also after a crash); returns what it removed."""
+    record = cfg.root / BROKER_NET_FILE
+    if not record.exists():
+        return []
+    names = parse_network_record(record.read_text())
+    problem = isolation_problem()
+    if problem:
+        raise StackError(f"cannot remove the brokers' network of {cfg.root}: {problem}")
+    removed = []
+    for ns in names.get("namespace", []):
+        if _netns_exists(ns):
+            _ip("netns", "del", ns)
+            removed.append(ns)
+    for link in [*names.get("veth", []), *names.get("bridge", [])]:
+        if _link_exists(link):
+            _ip("link", "del", link)
+            removed.append(link)
+    record.unlink()
+    return removed
+
+
+def _net_node(cfg: StackConfig, node: int) -> BrokerNetwork:
+    if not cfg.isolate_brokers:
+        raise StackError(f"Kafka node {node} is not isolated: a cut needs the stack started "
+                         "with `scripts/stack up --brokers 3 --isolate-brokers`")
+    if not 1 <= node <= cfg.brokers:
+        raise StackError(f"no Kafka node {node} in this stack (nodes 1-{cfg.brokers})")
+    return cfg.broker_network
+
+
+def broker_is_cut(cfg: StackConfig, node: int) -> bool:
+    """Node ``node``'s veth is administratively down (``cut``); False if it does not exist."""
+    try:
+        flags = int(Path("/sys/class/net", cfg.broker_network.veth(node), "flags")
+                    .read_text(), 16)
+    except (OSError, ValueError):
+        return False
+    return not flags & 0x1  # IFF_UP
+
+
+def cut_broker(cfg: StackConfig, node: int) -> None:
+    """Take node ``node`` off the network both ways: its veth down, so no client, peer,
+    controller or its own fetch and heartbeat gets through; the process keeps running."""
+    _ip("link", "set", _net_node(cfg, node).veth(node), "down")
+
+
+def heal_broker(cfg: StackConfig, node: int) -> None:
+    _ip("link", "set", _net_node(cfg, node).veth(node), "up")
+
+
 # --------------------------------------------------------------------------------------------
 # Commands
 
 
-def port_in_use(port: int) -> bool:
+def port_in_use(port: int, host: str = HOST) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
-        return s.connect_ex((HOST, port)) == 0
+        return s.connect_ex((host, port)) == 0
 
 
 UNANSWERED_GRACE = 30.0
@@ -1312,21 +1578,41 @@ def check_topology_change(cfg: StackConfig) -> None:
             f"the stack in {cfg.root} holds a Kafka of {remembered} broker(s), not "
             f"{cfg.brokers}; `scripts/stack down --wipe` first, or use another "
             "BLOCKAGG_STACK_DIR (and ports)")
+    # Isolating (or not) moves the nodes' addresses: only while they are stopped.
+    if read_isolation(cfg.root, {}) != cfg.isolate_brokers:
+        was = dataclasses.replace(cfg, isolate_brokers=not cfg.isolate_brokers)
+        running = [s.name for s in build_services(was).values()
+                   if s.name.startswith("kafka") and s.pid() is not None]
+        if running:
+            raise StackError(
+                f"{', '.join(running)} run {'isolated' if was.isolate_brokers else 'on loopback'}; "
+                "`scripts/stack down` first to change --isolate-brokers")
 
 
 def cmd_up(cfg: StackConfig) -> int:
     t0 = time.monotonic()
+    if cfg.isolate_brokers:
+        check_isolation(cfg)
     check_topology_change(cfg)
     cfg.root.mkdir(parents=True, exist_ok=True)
-    (cfg.root / TOPOLOGY_FILE).write_text(render_topology(cfg.brokers, cfg.shards))
+    (cfg.root / TOPOLOGY_FILE).write_text(
+        render_topology(cfg.brokers, cfg.shards, cfg.isolate_brokers))
     services = build_services(cfg)
-    if all(s.is_up() for s in services.values()):
+    cut: set[str] = set()
+    if cfg.isolate_brokers:
+        ensure_broker_network(cfg)
+        # a node cut on purpose does not answer: neither restart it nor wait for it
+        cut = {b.service for b in cfg.kafka_brokers if broker_is_cut(cfg, b.node_id)}
+        for name in sorted(cut):
+            log(f"{name} is cut off the network (`scripts/stack heal` it); left as it is")
+    if all(s.is_up() for s in services.values() if s.name not in cut):
         log(f"already up ({time.monotonic() - t0:.1f}s)")
         return 0
     if not installed(cfg):
         install(cfg)
     down = [s for s in services.values()
-            if not s.is_up() and not (s.pid() is not None and s.answers_within(UNANSWERED_GRACE))]
+            if s.name not in cut and not s.is_up()
+            and not (s.pid() is not None and s.answers_within(UNANSWERED_GRACE))]
     if not down:
         log(f"already up ({time.monotonic() - t0:.1f}s)")
         return 0
@@ -1335,7 +1621,7 @@ def cmd_up(cfg: StackConfig) -> int:
             log(f"{s.name} runs but has not answered for {UNANSWERED_GRACE:.0f}s; restarting it")
             s.stop()
         for port in s.ports.values():
-            if port_in_use(port):
+            if port_in_use(port, s.host):
                 raise StackError(
                     f"{s.name}: port {port} is already in use by another process; "
                     f"free it or override the port (see scripts/stack --help)"
@@ -1390,6 +1676,9 @@ def cmd_down(cfg: StackConfig, wipe: bool) -> int:
                 shutil.rmtree(s.workdir)
         (cfg.root / CLUSTER_ID_FILE).unlink(missing_ok=True)
         log(f"wiped service data under {cfg.root} (installed jars kept)")
+    removed = teardown_broker_network(cfg)
+    if removed:
+        log(f"removed the brokers' network: {' '.join(removed)}")
     return 0
 
 
@@ -1398,8 +1687,25 @@ def status_rows(cfg: StackConfig) -> list[tuple[str, bool, str, int | None, int]
     for s in build_services(cfg).values():
         pid = s.pid()
         up = pid is not None and s.probe()
-        ports = " ".join(f"{k}={HOST}:{v}" for k, v in s.ports.items())
+        ports = " ".join(f"{k}={s.host}:{v}" for k, v in s.ports.items())
         rows.append((s.name, up, ports, pid, rss_kib(pid) if pid else 0))
+    return rows
+
+
+def network_rows(cfg: StackConfig) -> list[tuple[str, str, str]]:
+    """``status``'s rows on an isolated stack's network (name, state, what): the bridge,
+    and per node its address, namespace and veth (state ``cut`` while cut)."""
+    if not cfg.isolate_brokers:
+        return []
+    net = cfg.broker_network
+    rows = [("network", "up" if _link_exists(net.bridge) else "down",
+             f"bridge {net.bridge} {net.gateway} on {net.subnet}")]
+    for b in cfg.kafka_brokers:
+        n = b.node_id
+        state = ("down" if not _link_exists(net.veth(n))
+                 else "cut" if broker_is_cut(cfg, n) else "up")
+        rows.append((f"{b.service} link", state,
+                     f"{b.host} in namespace {net.namespace(n)}, veth {net.veth(n)}"))
     return rows
 
 
@@ -1412,7 +1718,18 @@ def cmd_status(cfg: StackConfig) -> int:
         extra = f"pid {pid}, rss {rss // 1024} MiB" if pid else "not running"
         print(f"{name:14} {state:5} {ports}  ({extra})")
     print(f"{'total rss':14} {total // 1024} MiB")
-    return 0 if all(up for _, up, *_ in rows) else 1
+    network = network_rows(cfg)
+    for name, state, what in network:
+        print(f"{name:14} {state:5} {what}")
+    return 0 if all(up for _, up, *_ in rows) and all(
+        state == "up" for _, state, _ in network) else 1
+
+
+def cmd_link(cfg: StackConfig, node: int, up: bool) -> int:
+    (heal_broker if up else cut_broker)(cfg, node)
+    log(f"node {node} ({cfg.broker_network.address(node)}) "
+        f"{'back on' if up else 'cut off'} the network")
+    return 0
 
 
 def cmd_env(cfg: StackConfig) -> int:
@@ -1445,6 +1762,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "stack dir (default: as remembered, else 1)")
     up.add_argument("--shards", type=int, choices=SHARD_COUNTS,
                     help="ClickHouse shards of two replicas; remembered likewise")
+    up.add_argument("--isolate-brokers", action="store_true", default=None,
+                    help="with --brokers 3: each Kafka node in its own network namespace on "
+                    "a private subnet, so `cut N` can take it off the network (needs root "
+                    "and ip; remembered likewise)")
+    for verb, what in (("cut", "take Kafka node N off the network both ways (its veth "
+                                "down; the process keeps running)"),
+                       ("heal", "put Kafka node N back on the network")):
+        link = sub.add_parser(verb, help=f"{what}; --isolate-brokers stacks only")
+        link.add_argument("node", type=int, help="the node id (1-3)")
     down = sub.add_parser("down", help="stop the processes up started")
     down.add_argument("--wipe", action="store_true", help="also delete their data and logs")
     sub.add_parser("status", help="per service: up/down and port; non-zero if anything is down")
@@ -1467,7 +1793,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             install(cfg)
             return 0
         if args.command == "up":
-            return cmd_up(cfg.with_topology(args.brokers, args.shards))
+            return cmd_up(cfg.with_topology(args.brokers, args.shards, args.isolate_brokers))
+        if args.command in ("cut", "heal"):
+            return cmd_link(cfg, args.node, up=args.command == "heal")
         if args.command == "down":
             return cmd_down(cfg, args.wipe)
         if args.command == "status":

@@ -8,8 +8,8 @@ stops it when the session ends, so nothing of the suite outlives the test run.
 (:func:`~tests.faults.stack.cluster_stack_env`: ``.stack/cluster``, ports + 4000) for
 the cluster kinds, stopped at the end of its module.
 After each test that used one, every service of it (every Kafka node of a cluster) is
-resumed if stopped and brought back up (``scripts/stack up``), so a scenario that failed
-half-way never leaves the next one without ZooKeeper or a broker.
+resumed if stopped, healed if cut, and brought back up (``scripts/stack up``), so a
+scenario that failed half-way never leaves the next one without ZooKeeper or a broker.
 """
 
 from __future__ import annotations
@@ -22,11 +22,16 @@ from tests.faults.stack import StackControl, cluster_stack_env, fault_stack_env
 
 
 def restore(control: StackControl) -> None:
-    """Every service of ``control`` resumed (never left SIGSTOPped) and up."""
+    """Every service of ``control`` resumed (never left SIGSTOPped), every Kafka node
+    back on the network (never left cut), and up."""
     for service in control.services:
         pid = control.pid(service)
         if pid is not None:
             control.resume(service, pid)
+    if control.cfg.isolate_brokers:
+        for node in control.broker_ids:
+            if control.is_cut(node):
+                control.heal_broker(node)
     control.up()
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts import stack_lib
 from tests.faults import checker, hooks
 from tests.faults.proxy import FaultProxy, Mode
 from tests.faults.stack import JOB_PY, REPO_ROOT, StackControl, fault_stack_env
@@ -69,6 +70,7 @@ CLUSTER_KINDS = (
     "txn_coordinator_kill9",    # of a partition's transaction coordinator (__transaction_state)
     "controller_kill9",         # of the active controller (the KRaft quorum's leader)
     "broker_pause",             # one node SIGSTOPped for a while, the other two go on
+    "broker_cut",               # one node cut off the network both ways for a while
     "rolling_restart",          # every node in turn: controlled shutdown, back, ISR full
     "leader_move",              # reassignment to a new preferred replica + preferred election
 )
@@ -76,7 +78,8 @@ CLUSTER_KINDS = (
 matters at that moment, found from the cluster's own metadata when it is injected."""
 
 BROKER_PAUSE_S = (10.0, 60.0)
-"""How long ``broker_pause`` keeps its node stopped, drawn between the two."""
+"""How long ``broker_pause`` keeps its node stopped and ``broker_cut`` its node cut off,
+drawn between the two."""
 
 WEIGHT = {"topic_recreate": 0.25}
 """How often a kind is drawn after the first of each, relative to 1 for the others:
@@ -410,6 +413,16 @@ def cluster_fault(kind: str, job: Job, stack: StackControl, rng: random.Random,
         node = rng.choice(stack.broker_ids)
         seconds = rng.uniform(*pause_s)
         with stack.paused(stack.broker_service(node)):
+            time.sleep(seconds)
+        return {"node": node, "seconds": round(seconds, 1),
+                "isr_s": round(stack.wait_in_sync(), 1)}
+    if kind == "broker_cut":
+        refused = stack.cut_unavailable()
+        if refused:
+            raise ValueError(f"broker_cut refused: {refused}")
+        node = rng.choice(stack.broker_ids)
+        seconds = rng.uniform(*pause_s)
+        with stack.cut(node):
             time.sleep(seconds)
         return {"node": node, "seconds": round(seconds, 1),
                 "isr_s": round(stack.wait_in_sync(), 1)}
@@ -853,6 +866,9 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     if cluster_only and len(stack.broker_ids) < 3:
         raise ValueError(f"{', '.join(cluster_only)} need a three-broker stack (--brokers 3); "
                          f"this one has {len(stack.broker_ids)}")
+    if "broker_cut" in kinds and (refused := stack.cut_unavailable()):
+        raise ValueError(f"broker_cut refused before the run: {refused}; drop it from the "
+                         "kinds or run where the stack can isolate its brokers")
     shard_ports = stack.shard_ch_ports
     shards = len(shard_ports) if shards is None else shards
     if not 1 <= shards <= len(shard_ports):
@@ -991,7 +1007,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, choices=(1, 2), default=1,
                     help="ClickHouse shards of the private stack")
     ap.add_argument("--broker-pause", default="10,60", metavar="MIN,MAX",
-                    help="seconds broker_pause keeps its node stopped")
+                    help="seconds broker_pause keeps its node stopped and broker_cut its "
+                         "node cut off")
+    ap.add_argument("--isolate-brokers", action=argparse.BooleanOptionalAction, default=None,
+                    help="with --brokers 3: each node in its own network namespace (needs "
+                         "root and ip; default: where possible), which broker_cut needs")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--folder", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None,
@@ -1036,7 +1056,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.brokers < 3 and any(k in CLUSTER_KINDS for k in kinds):
         ap.error(f"--kinds {','.join(k for k in kinds if k in CLUSTER_KINDS)}: "
                  "cluster kinds need --brokers 3")
-    stack = StackControl(fault_stack_env(brokers=args.brokers, shards=args.shards))
+    isolate = args.isolate_brokers
+    if isolate is None:
+        isolate = args.brokers == 3 and stack_lib.isolation_problem() is None
+    stack = StackControl(fault_stack_env(brokers=args.brokers, shards=args.shards,
+                                         isolate_brokers=isolate))
     stack.up()
     folder = args.folder or Path(tempfile.mkdtemp(prefix="blockagg-faults-"))
     outcome, _, _ = run(stack, kinds, args.faults, args.messages, args.seed, folder,

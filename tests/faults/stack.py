@@ -24,7 +24,9 @@ leads a partition, so a fault can kill the node that matters;
 :meth:`StackControl.stop_broker` is a controlled shutdown (SIGTERM), and
 :meth:`StackControl.wait_in_sync` waits until every partition has its full ISR, as an
 operator does before touching the next node. :func:`cluster_stack_env` is the private
-three-node stack of the cluster tests (``.stack/cluster``, ports + 4000).
+three-node stack of the cluster tests (``.stack/cluster``, ports + 4000), its nodes
+isolated in network namespaces where the machine allows it (root and ``ip``), so that
+:meth:`StackControl.cut` takes one node off the network both ways (``scripts/stack cut``).
 """
 
 from __future__ import annotations
@@ -54,16 +56,18 @@ FAULT_PORT_SHIFT = 2000
 
 
 def fault_stack_env(base: Mapping[str, str] | None = None, shift: int = FAULT_PORT_SHIFT,
-                    root: Path | None = None, brokers: int = 1, shards: int = 1
-                    ) -> dict[str, str]:
+                    root: Path | None = None, brokers: int = 1, shards: int = 1,
+                    isolate_brokers: bool = False) -> dict[str, str]:
     """The environment of the fault suite's private stack: every ``BLOCKAGG_*_PORT``
     at its default + ``shift`` and ``BLOCKAGG_STACK_DIR`` under ``.stack/faults``
     (``BLOCKAGG_FAULT_STACK_DIR`` / ``BLOCKAGG_FAULT_PORT_SHIFT`` override); ``brokers``
     Kafka nodes and ``shards`` ClickHouse shards (``scripts/stack up --brokers/--shards``),
-    always explicit so a cluster's exported variables in the caller's shell don't leak in."""
+    and whether the nodes are isolated (``--isolate-brokers``), always explicit so a
+    cluster's exported variables in the caller's shell don't leak in."""
     env = dict(os.environ if base is None else base)
     env[stack_lib.BROKERS_VAR] = str(brokers)
     env[stack_lib.SHARDS_VAR] = str(shards)
+    env[stack_lib.ISOLATE_VAR] = "1" if isolate_brokers else "0"
     shift = int(env.get("BLOCKAGG_FAULT_PORT_SHIFT", shift))
     folder = Path(env.get("BLOCKAGG_FAULT_STACK_DIR") or root or REPO_ROOT / ".stack" / "faults")
     env["BLOCKAGG_STACK_DIR"] = str(folder)
@@ -95,13 +99,16 @@ def cluster_shift(env: Mapping[str, str] | None = None) -> int:
 def cluster_stack_env(shift: int | None = None) -> dict[str, str]:
     """The private three-broker, two-shard stack of the cluster tests: ports at default +
     :func:`cluster_shift`, ``BLOCKAGG_CLUSTER_STACK_DIR`` else ``.stack/cluster`` (at shift
-    4000; ``.stack/cluster-<shift>`` at another, so two never share a folder)."""
+    4000; ``.stack/cluster-<shift>`` at another, so two never share a folder); its nodes
+    isolated (``--isolate-brokers``) unless :func:`stack_lib.isolation_problem` says why
+    not here, in which case ``broker_cut`` is refused, naming that reason."""
     base = {k: v for k, v in os.environ.items()
             if k not in ("BLOCKAGG_FAULT_PORT_SHIFT", "BLOCKAGG_FAULT_STACK_DIR")}
     shift = cluster_shift(base) if shift is None else shift
     default = REPO_ROOT / ".stack" / ("cluster" if shift == 4000 else f"cluster-{shift}")
     return fault_stack_env(base, shift=shift, brokers=3, shards=2,
-                           root=Path(os.environ.get("BLOCKAGG_CLUSTER_STACK_DIR") or default))
+                           root=Path(os.environ.get("BLOCKAGG_CLUSTER_STACK_DIR") or default),
+                           isolate_brokers=stack_lib.isolation_problem() is None)
 
 
 def link_installed_jars(env: Mapping[str, str]) -> None:
@@ -138,6 +145,21 @@ class StackControl:
     @property
     def broker_ids(self) -> tuple[int, ...]:
         return tuple(b.node_id for b in self.cfg.kafka_brokers)
+
+    def broker_address(self, node_id: int) -> str:
+        """``host:port`` of node ``node_id`` alone (its own address when isolated)."""
+        for b in self.cfg.kafka_brokers:
+            if b.node_id == node_id:
+                return f"{b.host}:{b.port}"
+        raise KeyError(f"no Kafka node {node_id} in this stack (nodes {self.broker_ids})")
+
+    def cut_unavailable(self) -> str | None:
+        """Why :meth:`cut` cannot run on this stack (one line), or None."""
+        if self.cfg.isolate_brokers:
+            return None
+        problem = stack_lib.isolation_problem()
+        return ("its Kafka nodes are not isolated in network namespaces (scripts/stack up "
+                "--brokers 3 --isolate-brokers)" + (f": {problem}" if problem else ""))
 
     def broker_service(self, node_id: int) -> str:
         """The service name of Kafka node ``node_id`` (``kafka``, ``kafka-2``, ...)."""
@@ -266,7 +288,7 @@ class StackControl:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while stack_lib.pid_alive(pid, svc.marker) or any(
-                stack_lib.port_in_use(port) for port in svc.ports.values()):
+                stack_lib.port_in_use(port, svc.host) for port in svc.ports.values()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Kafka node {node_id} (pid {pid}) still running "
                                    f"{timeout:.0f}s after SIGTERM")
@@ -430,7 +452,7 @@ class StackControl:
         # for its ports too, or an immediate ``up`` finds them "in use by another
         # process" (CI met it once after a kill -9 of the broker).
         while stack_lib.pid_alive(pid, svc.marker) or any(
-                stack_lib.port_in_use(port) for port in svc.ports.values()):
+                stack_lib.port_in_use(port, svc.host) for port in svc.ports.values()):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{service} (pid {pid}) survived SIGKILL for {timeout}s")
             time.sleep(0.05)
@@ -468,6 +490,27 @@ class StackControl:
             yield pid
         finally:
             self.resume(service, pid)
+
+    def cut_broker(self, node_id: int) -> None:
+        """Take Kafka node ``node_id`` off the network both ways (``scripts/stack cut``:
+        its veth down): clients, peers' fetches, its own fetches and heartbeats and the
+        KRaft quorum's traffic all stop; the process runs on, unaware."""
+        stack_lib.cut_broker(self.cfg, node_id)
+
+    def heal_broker(self, node_id: int) -> None:
+        stack_lib.heal_broker(self.cfg, node_id)
+
+    def is_cut(self, node_id: int) -> bool:
+        return stack_lib.broker_is_cut(self.cfg, node_id)
+
+    @contextlib.contextmanager
+    def cut(self, node_id: int) -> Iterator[None]:
+        """Node ``node_id`` cut off for the ``with`` body; always healed afterwards."""
+        self.cut_broker(node_id)
+        try:
+            yield
+        finally:
+            self.heal_broker(node_id)
 
     def unreachable_for(self, service: str, seconds: float) -> None:
         """Make ``service`` unreachable (stopped) for ``seconds``, then resume it."""

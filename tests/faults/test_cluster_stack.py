@@ -12,7 +12,10 @@ job's start-up durability check (``preflight.check_topics`` then
 replication factor 1 and one with ``min.insync.replicas=1`` on it, and accepts RF 3 /
 min.insync 2 (invariants 1 and 9). The stack also runs ``--shards 2`` (the second
 shard's two ClickHouse replicas start beside the first's, costing no time): shard 02
-replicates within itself and the ``blockagg`` cluster lists both shards.
+replicates within itself and the ``blockagg`` cluster lists both shards. Where the
+machine allows it the nodes are isolated (``--isolate-brokers``): a node cut off the
+network both ways (issue 27 item 3) is fenced and dropped from every ISR while the other
+two commit transactions, and rejoins every ISR once healed.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def create_topic(control: StackControl, name: str, rf: int = -1,
     fut[name].result(30)
     deadline = time.monotonic() + 30
     for b in control.cfg.kafka_brokers:  # every node knows it (the job asks any of them)
-        node = admin(control, f"127.0.0.1:{b.port}")
+        node = admin(control, control.broker_address(b.node_id))
         while name not in node.list_topics(timeout=30).topics:
             assert time.monotonic() < deadline, f"node {b.node_id} never listed {name}"
             time.sleep(0.2)
@@ -123,7 +126,7 @@ def test_three_brokers_form_one_cluster_with_production_durability(
         cluster: StackControl) -> None:
     ids = set()
     for b in cluster.cfg.kafka_brokers:  # each node alone names all three and one id
-        client = admin(cluster, f"127.0.0.1:{b.port}")
+        client = admin(cluster, cluster.broker_address(b.node_id))
         desc = client.describe_cluster(request_timeout=30).result(30)
         assert sorted(n.id for n in desc.nodes) == [1, 2, 3]
         ids.add(desc.cluster_id)
@@ -159,6 +162,64 @@ def test_a_killed_broker_leaves_transactions_working_and_rejoins(
         assert time.monotonic() < deadline, f"node {victim} did not rejoin the ISR of {topic}"
         time.sleep(0.5)
     print(f"back in sync {time.monotonic() - started:.1f}s after the kill")
+
+
+def _wait(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    while not cond():
+        assert time.monotonic() - started < timeout, f"{what} after {timeout:.0f}s"
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def test_a_cut_broker_is_fenced_while_the_other_two_commit_and_rejoins_once_healed(
+        cluster: StackControl) -> None:
+    """Issue 27 item 3: the leader of the partition written is cut off the network both
+    ways (its veth down: clients, peers, its own fetches and heartbeats, the KRaft
+    quorum). It runs on, unaware; the other two fence it, move its leaderships, drop it
+    from every ISR and commit a transactional round (acks=all, min.insync 2); once
+    healed it rejoins every ISR."""
+    if (reason := cluster.cut_unavailable()) is not None:
+        pytest.skip(f"no broker cut on this machine: {reason}")
+    topic = create_topic(cluster, f"cl-cut-{uuid.uuid4().hex[:8]}")
+    group = f"cl-g-{uuid.uuid4().hex[:8]}"
+    assert transactional_round(cluster, topic, group) == 20
+    victim = cluster.leader(topic, 0)
+    pid = cluster.pid(cluster.broker_service(victim))
+    others = ",".join(cluster.broker_address(n) for n in cluster.broker_ids if n != victim)
+
+    def fenced() -> bool:
+        client = admin(cluster, others)  # kept referenced until the future is done
+        nodes = client.describe_cluster(request_timeout=10).result(10).nodes
+        return victim not in {n.id for n in nodes}
+
+    def out_of_every_isr() -> bool:
+        meta = admin(cluster, others).list_topics(timeout=10)
+        return all(victim not in p.isrs and p.leader not in (victim, -1)
+                   for t in meta.topics.values() for p in t.partitions.values())
+
+    started = time.monotonic()
+    with cluster.cut(victim):
+        assert cluster.is_cut(victim)
+        assert transactional_round(cluster, topic, group) == 40
+        committed_s = time.monotonic() - started
+        fenced_s = _wait(fenced, 60, f"node {victim} still registered") + committed_s
+        out_s = _wait(out_of_every_isr, 60, f"node {victim} still in an ISR") + fenced_s
+        host, port = cluster.broker_address(victim).split(":")
+        from scripts import stack_lib
+
+        assert not stack_lib.probe_kafka(int(port), host=host), "the cut node answers"
+        assert cluster.pid(cluster.broker_service(victim)) == pid, "the cut node died"
+        print(f"\nnode {victim} cut: transaction committed on the other two after "
+              f"{committed_s:.1f}s, fenced by {fenced_s:.1f}s, out of every ISR by "
+              f"{out_s:.1f}s")
+    assert not cluster.is_cut(victim)
+    healed = time.monotonic()
+    seconds = cluster.wait_in_sync(120)
+    print(f"node {victim} healed: every ISR full {seconds:.1f}s later "
+          f"({time.monotonic() - healed:.1f}s)")
+    assert replicas_and_isr(cluster, topic) == [(3, 3)]
+    assert cluster.pid(cluster.broker_service(victim)) == pid, "the healed node restarted"
 
 
 def job_config(cluster: StackControl, topic: str) -> Config:

@@ -130,7 +130,7 @@ def test_every_kind_once(stack: StackControl, tmp_path: Path) -> None:
 
 
 CLUSTER_PAUSE_S = (10.0, 15.0)
-"""``broker_pause`` in CI: the short end of the long run's 10-60 s."""
+"""``broker_pause`` and ``broker_cut`` in CI: the short end of the long run's 10-60 s."""
 
 
 @pytest.mark.integration
@@ -156,7 +156,7 @@ def test_every_cluster_kind_once(cluster_stack: StackControl, tmp_path: Path) ->
     by_kind = {e["kind"]: e for e in outcome.events}
     nodes = set(cluster_stack.broker_ids)
     for kind in ("leader_kill9", "group_coordinator_kill9", "txn_coordinator_kill9",
-                 "controller_kill9", "broker_pause", "broker_kill9"):
+                 "controller_kill9", "broker_pause", "broker_cut", "broker_kill9"):
         assert by_kind[kind]["node"] in nodes, by_kind[kind]
     assert set(by_kind["rolling_restart"]["node_s"]) == {str(n) for n in nodes}
     moved = by_kind["leader_move"]["leaders"]

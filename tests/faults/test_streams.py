@@ -133,3 +133,22 @@ def test_an_error_in_one_stream_stops_the_others_and_is_raised() -> None:
     with pytest.raises(RuntimeError, match="fault 7 failed"):
         run.phase(faults, 3)
     assert len(run.ran) < 500
+
+
+def test_broker_cut_is_refused_on_a_stack_whose_brokers_are_not_isolated() -> None:
+    """``broker_cut`` needs the nodes in network namespaces (``--isolate-brokers``): on a
+    three-broker stack on loopback :func:`driver.run` refuses it in one line naming why,
+    before any stack is touched (never a silent skip)."""
+    from pathlib import Path
+
+    from tests.faults.stack import StackControl, fault_stack_env
+
+    loopback = StackControl(fault_stack_env(brokers=3, isolate_brokers=False))
+    assert loopback.cut_unavailable() is not None
+    with pytest.raises(ValueError, match=r"broker_cut refused before the run: its Kafka "
+                                         r"nodes are not isolated .*--isolate-brokers"):
+        driver.run(loopback, ["broker_pause", "broker_cut"], faults=2, messages=10, seed=1,
+                   folder=Path("/nonexistent"))
+    isolated = StackControl(fault_stack_env(brokers=3, isolate_brokers=True))
+    assert isolated.cut_unavailable() is None
+    assert isolated.broker_address(2).startswith("10.77.")

@@ -139,3 +139,90 @@ def test_up_refuses_to_change_the_broker_count_of_a_formatted_stack(tmp_path: Pa
 def test_up_accepts_the_topology_flags_and_nothing_else() -> None:
     with pytest.raises(SystemExit):
         stack_lib.main(["up", "--brokers", "2"])
+
+
+def test_isolated_brokers_listen_advertise_and_vote_on_their_own_subnet_addresses(
+        tmp_path: Path) -> None:
+    """``--isolate-brokers``: each node on its own address of the stack's private subnet
+    (broker and controller listeners, advertised listener, every node's voters), started
+    in its own network namespace; without the flag nothing changes."""
+    cfg = cfg_for(tmp_path, BLOCKAGG_STACK_BROKERS="3", BLOCKAGG_STACK_ISOLATE_BROKERS="1")
+    net = cfg.broker_network
+    assert (net.subnet, net.gateway, net.bridge) == (
+        "10.77.148.0/24", "10.77.148.1", "bagg19092")  # 19092 mod 256 = 148
+    hosts = [b.host for b in cfg.kafka_brokers]
+    assert hosts == ["10.77.148.11", "10.77.148.12", "10.77.148.13"]
+    voters = "1@10.77.148.11:19093,2@10.77.148.12:19095,3@10.77.148.13:19097"
+    for b in cfg.kafka_brokers:
+        p = props(stack_lib.render_kafka_properties(cfg, b))
+        assert p["controller.quorum.voters"] == voters
+        assert p["listeners"] == (f"PLAINTEXT://{b.host}:{b.port},"
+                                  f"CONTROLLER://{b.host}:{b.controller_port}")
+        assert p["advertised.listeners"] == f"PLAINTEXT://{b.host}:{b.port}"
+    services = stack_lib.build_services(cfg)
+    assert services["kafka-2"].command()[:4] == ["ip", "netns", "exec", "blockagg-19092-n2"]
+    assert services["kafka-2"].host == "10.77.148.12"
+    assert services["zookeeper"].host == "127.0.0.1"
+    env = stack_lib.env_values(cfg, [])
+    assert env["BLOCKAGG_BOOTSTRAP_SERVERS"] == ",".join(f"{h}:{p}" for h, p in zip(
+        hosts, (19092, 19094, 19096), strict=True))
+    assert env[stack_lib.ISOLATE_VAR] == "1"
+    loopback = cfg_for(tmp_path, BLOCKAGG_STACK_BROKERS="3")
+    assert not loopback.isolate_brokers
+    assert {b.host for b in loopback.kafka_brokers} == {"127.0.0.1"}
+    assert stack_lib.ISOLATE_VAR not in stack_lib.env_values(loopback, [])
+    assert "ip" not in stack_lib.build_services(loopback)["kafka-2"].command()
+
+
+def test_the_broker_network_names_fit_and_differ_per_stack_and_ci_shift() -> None:
+    """Interface names fit Linux's 15 characters; every port shift of a multiple of 1000
+    CI uses (0-9000) gets its own subnet, and each stack its own names."""
+    nets = [stack_lib.BrokerNetwork.for_stack(19092 + shift, 3)
+            for shift in range(0, 10_000, 1000)]
+    assert len({n.subnet for n in nets}) == len(nets)
+    for net in nets:
+        names = [net.bridge, *(f(n) for n in (1, 2, 3) for f in (net.veth, net.peer))]
+        assert all(len(name) <= 15 for name in names), names
+        assert len(set(names)) == len(names)
+    record = stack_lib.parse_network_record(nets[4].record())
+    assert record == {"subnet": ["10.77.52.0/24"], "bridge": ["bagg23092"],
+                      "namespace": [f"blockagg-23092-n{n}" for n in (1, 2, 3)],
+                      "veth": [f"bagg23092n{n}" for n in (1, 2, 3)]}
+
+
+def test_a_subnet_already_on_the_machine_is_found() -> None:
+    assert stack_lib.subnet_clash("10.77.52.0/24", ["127.0.0.1/8", "192.0.2.2/24"]) is None
+    assert stack_lib.subnet_clash("10.77.52.0/24", ["10.0.0.5/8"]) == "10.0.0.5/8"
+    assert stack_lib.subnet_clash("10.77.52.0/24", ["10.77.52.1/24"]) == "10.77.52.1/24"
+
+
+def test_isolation_is_refused_in_one_line_without_root_or_ip_or_three_brokers(
+        tmp_path: Path) -> None:
+    assert stack_lib.isolation_problem(euid=0, ip="/usr/sbin/ip") is None
+    no_root = stack_lib.isolation_problem(euid=1000, ip="/usr/sbin/ip")
+    assert no_root is not None and "needs root (uid 1000)" in no_root
+    assert "\n" not in no_root
+    no_ip = stack_lib.isolation_problem(euid=0, ip=None)
+    assert no_ip is not None and "iproute2" in no_ip
+    one = cfg_for(tmp_path, BLOCKAGG_STACK_ISOLATE_BROKERS="1")
+    with pytest.raises(StackError, match="give --brokers 3"):
+        stack_lib.check_isolation(one)
+    with pytest.raises(StackError, match="Kafka node 1 is not isolated"):
+        stack_lib.cut_broker(cfg_for(tmp_path, BLOCKAGG_STACK_BROKERS="3"), 1)
+    with pytest.raises(StackError, match="BLOCKAGG_STACK_ISOLATE_BROKERS='yes'"):
+        cfg_for(tmp_path, BLOCKAGG_STACK_ISOLATE_BROKERS="yes")
+
+
+def test_the_isolation_is_remembered_only_when_set(tmp_path: Path) -> None:
+    assert stack_lib.render_topology(3, 2) == (
+        "# written by scripts/stack up\nbrokers=3\nshards=2\n")
+    (tmp_path / stack_lib.TOPOLOGY_FILE).write_text(stack_lib.render_topology(3, 2, True))
+    assert cfg_for(tmp_path).isolate_brokers
+    assert not cfg_for(tmp_path, BLOCKAGG_STACK_ISOLATE_BROKERS="0").isolate_brokers
+    assert not cfg_for(tmp_path).with_topology(None, None, False).isolate_brokers
+    with pytest.raises(SystemExit):
+        stack_lib.main(["cut"])  # a node id is required
+
+
+def test_down_of_a_stack_that_never_isolated_touches_no_network(tmp_path: Path) -> None:
+    assert stack_lib.teardown_broker_network(cfg_for(tmp_path)) == []
