@@ -4,9 +4,10 @@
 ports = defaults + 2000; see :mod:`tests.faults.stack`) so that killing its services
 never disturbs tests using the default stack, yields its :class:`StackControl`, and
 stops it when the session ends, so nothing of the suite outlives the test run.
-``cluster_fault_stack`` (module) is the three-broker, two-shard stack
-(:func:`~tests.faults.stack.cluster_stack_env`: ``.stack/cluster``, ports + 4000) for
-the cluster kinds, stopped at the end of its module.
+``cluster_fault_stack`` (session) is the three-broker, two-shard stack
+(:func:`~tests.faults.stack.cluster_stack_env`: ``.stack/cluster``, ports + 4000) of the
+cluster tests and the cluster kinds, started once for both modules (about half a minute
+saved) and stopped when the session ends.
 After each test that used one, every service of it (every Kafka node of a cluster) is
 resumed if stopped, healed if cut, and brought back up (``scripts/stack up``), so a
 scenario that failed half-way never leaves the next one without ZooKeeper or a broker.
@@ -52,7 +53,7 @@ def stack(fault_stack: StackControl) -> Iterator[StackControl]:
     restore(fault_stack)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster_fault_stack() -> Iterator[StackControl]:
     try:
         control = StackControl(cluster_stack_env())

@@ -248,16 +248,22 @@ class StackControl:
 
     def out_of_sync(self, timeout: float = 10.0) -> list[str]:
         """Every partition (of every topic) without a leader or with fewer in-sync
-        replicas than replicas, as ``topic[p] leader L isr I/R``."""
+        replicas than replicas in **any** node's view, as ``topic[p] leader L isr I/R
+        (node N)``. Each node is asked alone: a node just back from a cut answers from
+        the metadata it had before the cut (every ISR full, itself a leader) until the
+        controller's updates reach it, so one node's view, whichever the client picks,
+        may call a cluster in sync that is not."""
         from confluent_kafka.admin import AdminClient
 
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
         out = []
-        for name, t in admin.list_topics(timeout=timeout).topics.items():
-            for p, m in t.partitions.items():
-                if m.leader < 0 or len(m.isrs) < len(m.replicas):
-                    out.append(f"{name}[{p}] leader {m.leader} isr "
-                               f"{len(m.isrs)}/{len(m.replicas)}")
+        for node in self.broker_ids:
+            admin = AdminClient({"bootstrap.servers": self.broker_address(node),
+                                 "log_level": 0})
+            for name, t in admin.list_topics(timeout=timeout).topics.items():
+                for p, m in t.partitions.items():
+                    if m.leader < 0 or len(m.isrs) < len(m.replicas):
+                        out.append(f"{name}[{p}] leader {m.leader} isr "
+                                   f"{len(m.isrs)}/{len(m.replicas)} (node {node})")
         return out
 
     def wait_in_sync(self, timeout: float = 180.0) -> float:

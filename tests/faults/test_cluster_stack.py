@@ -20,8 +20,6 @@ two commit transactions, and rejoins every ISR once healed.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,22 +30,16 @@ from blockagg.aggregator.config import Config, loads
 from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
 from blockagg.aggregator.kafka.startup import check_topics
 from blockagg.spark import preflight
-from tests.faults.stack import STACK, StackControl, cluster_stack_env
+from tests.faults.stack import StackControl
 
 pytestmark = pytest.mark.integration
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[StackControl]:
-    control = StackControl(cluster_stack_env())
-    try:
-        seconds = control.up()
-    except RuntimeError as exc:
-        pytest.fail(f"the three-broker stack did not come up: {exc}")
-    print(f"\n3-broker 2-shard stack up in {seconds:.1f}s at {control.bootstrap}")
-    yield control
-    print("\n" + subprocess.run([sys.executable, str(STACK), "status"], env=control.env,
-                                capture_output=True, text=True, check=False).stdout)
-    control.down()
+@pytest.fixture
+def cluster(cluster_stack: StackControl) -> Iterator[StackControl]:
+    """The session's three-broker, two-shard stack (``conftest.cluster_fault_stack``,
+    shared with the cluster scenario of ``test_scenarios``: one start instead of two),
+    every node back up and on the network after each test."""
+    yield cluster_stack
 
 
 def admin(control: StackControl, servers: str | None = None):  # type: ignore[no-untyped-def]
