@@ -21,14 +21,14 @@ from typing import Any, NoReturn
 
 import click
 
-from blockagg.aggregator import logs
-from blockagg.aggregator.clickhouse.cli_tls import (
+from blockagg import logs
+from blockagg.cli_tls import (
     TLS_FIX,
     default_endpoint,
     tls_from_flags,
     tls_options,
 )
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.exceptions import BlockaggError
 from blockagg.proto.compat import DEFAULT_MODE, Mode
 from blockagg.proto.exceptions import IncompatibleSchema
 from blockagg.proto.registry import (

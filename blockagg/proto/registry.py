@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.proto.blockagg.v1 import registry_pb2
 from blockagg.proto.descriptors import load_descriptor
 from blockagg.proto.envelope import LATEST, is_table_name
@@ -782,7 +782,7 @@ class RegistryCache:
 
 
 def from_config(config: Any) -> RegistryCache:
-    """The registry of a job configuration (``aggregator.config.Config``): the
+    """The registry of a job configuration (``blockagg.config.Config``): the
     ``[schemas] topic`` read with the job's Kafka client settings."""
     return RegistryCache(KafkaStore(dict(config.kafka.librdkafka_config()),
                                     config.schemas.topic),

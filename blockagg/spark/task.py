@@ -33,9 +33,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
-from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.metadata import (
     DEAD_LETTER_TABLE_ID,
     NO_PINS,
@@ -58,6 +57,7 @@ from blockagg.aggregator.core.protocol import (
     read_committed,
     run_batch,
 )
+from blockagg.config import Config, TopicConfig
 from blockagg.proto.envelope import (
     Envelopes,
     Parsed,

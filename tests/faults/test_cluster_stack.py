@@ -25,9 +25,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from blockagg.aggregator.config import Config, loads
 from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
 from blockagg.aggregator.kafka.startup import check_topics
+from blockagg.config import Config, loads
 from blockagg.spark import preflight
 from tests.faults.stack import STACK, StackControl, cluster_stack_env
 

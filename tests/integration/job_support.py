@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter
-from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.model import Batch, Block, BlockSink, MetadataStore
+from blockagg.config import Config, TopicConfig
 from blockagg.spark.components import DefaultComponents, StaticRegistry, TableRegistry
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from blockagg.aggregator.clickhouse.deadletters import DEFAULT_TABLE
 from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.exceptions import ConfigError
 
 TOP_REASONS = 3
 

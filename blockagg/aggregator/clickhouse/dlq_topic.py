@@ -26,7 +26,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.clickhouse.deadletters import DeadLetter
 from blockagg.aggregator.clickhouse.exceptions import ClickHouseError
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID

@@ -38,7 +38,7 @@ from blockagg.aggregator.clickhouse.rows import (
     with_incarnation,
 )
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.exceptions import BlockaggError
 from blockagg.proto.envelope import (
     LATEST,
     Envelopes,

@@ -272,7 +272,7 @@ class WriterConfig:
     mode (when the driver's numpy extras, i.e. pandas, are installed)."""
     tls: Mapping[str, Any] = field(default_factory=dict)
     """clickhouse-driver's TLS arguments (``secure``, ``verify``, ``ca_certs``), from
-    ``[clickhouse]`` (:func:`tls_arguments`)."""
+    ``[clickhouse]`` (:func:`blockagg.tls.tls_arguments`)."""
     replay_across_alter: str = "refuse"
     """``clickhouse.replay_across_alter``: a re-send after an ALTER that the table's
     coordinates can't settle is refused, inserted or skipped."""
@@ -307,7 +307,7 @@ class WriterConfig:
 
     def __post_init__(self) -> None:
         if not self.replicas:
-            from blockagg.aggregator.exceptions import ConfigError
+            from blockagg.exceptions import ConfigError
 
             raise ConfigError("need at least one ClickHouse replica (host:port) for the shard")
 
@@ -362,18 +362,6 @@ def default_client_factory(config: WriterConfig) -> Callable[[Replica], Client]:
         made: Client = client
         return made
     return make
-
-
-def tls_arguments(secure: bool, verify: bool, ca_certs: str | None) -> dict[str, Any]:
-    """clickhouse-driver's TLS keyword arguments for ``[clickhouse] secure / verify /
-    ca_certs``: every connection the job, ``ba-schema`` and the start-up checks open
-    takes these, so a TLS setting never applies to some connections only."""
-    if not secure:
-        return {}
-    arguments: dict[str, Any] = {"secure": True, "verify": verify}
-    if ca_certs is not None:
-        arguments["ca_certs"] = ca_certs
-    return arguments
 
 
 def connected_version(client: Client) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blockagg.aggregator.core.metadata import NO_PINS, BlockRange, Pins
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.exceptions import ConfigError
 
 Int64Array = npt.NDArray[np.int64]
 

@@ -2,7 +2,7 @@
 for good (after retrying the retriable errors), with what to change."""
 
 from blockagg.aggregator.core.exceptions import MetadataTooLarge
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.exceptions import BlockaggError
 
 
 class KafkaAdapterError(BlockaggError):

@@ -40,7 +40,7 @@ from typing import Any, Final, Protocol, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.kafka.exceptions import (
     AttemptFenced,

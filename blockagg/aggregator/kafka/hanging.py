@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.core.metadata import is_blockagg
 from blockagg.aggregator.kafka.exceptions import MetadataUnstable, OffsetsDecodeError
 from blockagg.aggregator.kafka.offsets_codec import OffsetCommit, Record, decode_record

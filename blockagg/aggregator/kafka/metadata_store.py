@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.core.model import Committed
-from blockagg.aggregator.exceptions import ConfigError
 from blockagg.aggregator.kafka.exceptions import (
     CommittedReadError,
     MetadataCommitError,
     OffsetMetadataTooLarge,
 )
 from blockagg.aggregator.kafka.hanging import Diagnose, read_or_diagnose
+from blockagg.exceptions import ConfigError
 
 RETRIABLE_CODES: Final = frozenset(
     {

@@ -9,7 +9,7 @@ from blockagg.aggregator.clickhouse.deadletter_rate import (
     exceeds,
 )
 from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.exceptions import BlockaggError, ConfigError
+from blockagg.exceptions import BlockaggError, ConfigError
 
 
 @pytest.mark.parametrize(("dead", "total", "max_rate", "min_messages", "over"), [

@@ -259,8 +259,8 @@ class Components:
 
 def test_the_start_check_runs_only_when_a_partition_starts_without_a_commit(
         sample: Descriptor) -> None:
-    from blockagg.aggregator.config import loads
     from blockagg.aggregator.core.metadata import Metadata
+    from blockagg.config import loads
     from blockagg.spark.components import StaticRegistry
     from blockagg.spark.task import refuse_stored_coordinates
 

@@ -484,10 +484,10 @@ def test_tls_settings_reach_every_connection_the_job_opens() -> None:
         Replica,
         WriterConfig,
         default_client_factory,
-        tls_arguments,
     )
-    from blockagg.aggregator.config import loads
+    from blockagg.config import loads
     from blockagg.spark.components import make_writer
+    from blockagg.tls import tls_arguments
 
     assert tls_arguments(False, True, "/ca.pem") == {}
     tls = tls_arguments(True, False, "/ca.pem")

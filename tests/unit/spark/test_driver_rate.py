@@ -6,7 +6,7 @@ from typing import Any
 from unittest.mock import MagicMock
 
 from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.config import loads
+from blockagg.config import loads
 from blockagg.spark.driver import BatchSummary, Driver
 
 CONFIG = """
