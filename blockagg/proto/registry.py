@@ -53,8 +53,8 @@ from blockagg.proto.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from blockagg.aggregator.clickhouse.rows import Column
     from blockagg.proto.compat import Mode
+    from blockagg.rows.columns import Column
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class SchemaVersion:
         """The version's message descriptor: one object for every version (of any
         table) registered with the same bytes and message name, so that the rows of
         tables sharing a message type are decoded in one pass
-        (:func:`aggregator.clickhouse.rows.decide_envelopes_many`)."""
+        (:func:`blockagg.rows.columns.decide_envelopes_many`)."""
         return shared_descriptor(self.file_descriptor_set, self.message_name)
 
 

@@ -79,7 +79,7 @@ class DefaultComponents:
         def make() -> BlockSink:
             sink: BlockSink = make_writer(config, topic)
             if config.dead_letters.topic:
-                from blockagg.aggregator.clickhouse.dlq_topic import (
+                from blockagg.aggregator.kafka.dlq_topic import (
                     DeadLetterTopic,
                     DeadLetterTopicSink,
                 )

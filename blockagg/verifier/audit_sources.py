@@ -17,9 +17,9 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 
 from blockagg import logs
-from blockagg.aggregator.clickhouse.rows import COORDINATE_COLUMNS
 from blockagg.proto.blockagg.v1.envelope_pb2 import Envelope
 from blockagg.proto.envelope import is_table_name
+from blockagg.rows.columns import COORDINATE_COLUMNS
 from blockagg.verifier.audit import Committed, Message
 from blockagg.verifier.exceptions import AuditError
 from blockagg.verifier.history import RESERVED_SETTINGS

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from blockagg.aggregator.clickhouse.rows import Column
 from blockagg.proto.cli import Context, cli
 from blockagg.proto.compat import Mode
 from blockagg.proto.exceptions import UnknownTable, UnknownVersion
 from blockagg.proto.registry import MemoryStore, Registration, Registry, SchemaVersion, register
+from blockagg.rows.columns import Column
 
 SAMPLE = Path(__file__).with_name("sample.proto")
 
