@@ -70,8 +70,8 @@ from bench.workload import (
     session_processes,
     stack_addresses,
 )
-from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
 from blockagg.proto.envelope import make_envelope
+from blockagg.rows.deadletters import dead_letter_ddl
 from tests.faults.workload import COORDINATES, ROW_MESSAGE, row_descriptor_set, varint
 
 

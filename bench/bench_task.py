@@ -39,8 +39,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     """One measurement with the ``blockagg`` this process imports."""
     import blockagg
     from bench.workload import Rows, ch_client, stack_env
-    from blockagg.aggregator.config import loads
     from blockagg.aggregator.core.model import Committed
+    from blockagg.config import loads
     from blockagg.proto.registry import MemoryStore, RegistryCache, register
     from blockagg.spark.components import DefaultComponents, make_writer
     from blockagg.spark.offsets import PlannedRange

@@ -4,7 +4,7 @@ For the same kind of blocks (``bench/row.proto``'s 10-field ``Event``, 10 rows p
 message, plus the ``_topic``/``_partition``/``_offset`` columns the writer fills, into
 a ``ReplicatedMergeTree`` on the local stack's two 18.16 replicas), times
 
-* **prepare**: :func:`aggregator.clickhouse.prepare.prepare` of the block's messages
+* **prepare**: :func:`blockagg.rows.prepare.prepare` of the block's messages
   (envelope parsing, decode, conversion for clickhouse-driver), and
 * **insert**: :meth:`aggregator.clickhouse.writer.ClickHouseBlockWriter.insert`
   (block assembly, clickhouse-driver serialisation, network, server, ack),
@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.workload import POOL, Rows, stack_env
-from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows.prepare import Message, Plans, prepare
 from tests.faults.workload import COLUMNS, COORDINATES, ROW_MESSAGE, row_descriptor_set, varint
 
 TOPIC = "bench_writer"

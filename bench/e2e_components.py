@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.model import BlockSink, Committed, MetadataStore
+from blockagg.config import Config, TopicConfig
 from blockagg.spark.components import DefaultComponents, TableRegistry
 
 

@@ -21,14 +21,14 @@ from typing import Any, NoReturn
 
 import click
 
-from blockagg.aggregator import logs
-from blockagg.aggregator.clickhouse.cli_tls import (
+from blockagg import logs
+from blockagg.cli_tls import (
     TLS_FIX,
     default_endpoint,
     tls_from_flags,
     tls_options,
 )
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.exceptions import BlockaggError
 from blockagg.proto.compat import DEFAULT_MODE, Mode
 from blockagg.proto.exceptions import IncompatibleSchema
 from blockagg.proto.registry import (
@@ -182,7 +182,7 @@ def _columns(ctx: Context, table: str) -> Sequence[Any]:
 
 
 def _mismatches(descriptor: Any, columns: Sequence[Any]) -> list[str]:
-    from blockagg.aggregator.clickhouse.rows import match_columns
+    from blockagg.rows.columns import match_columns
 
     return match_columns(descriptor, columns)[1]
 
@@ -192,8 +192,8 @@ def _changed(table_id: int, version: Any, columns: Sequence[Any]) -> list[str]:
     (the job refuses that version's batches, ``ColumnsChanged``)."""
     if not version.columns:
         return []
-    from blockagg.aggregator.clickhouse.prepare import column_changes
-    from blockagg.aggregator.clickhouse.rows import Column, make_plan
+    from blockagg.rows.columns import Column, make_plan
+    from blockagg.rows.prepare import column_changes
 
     plan, _ = make_plan("", table_id, version.version, version.descriptor,
                         [Column(*c) for c in version.columns])
@@ -370,7 +370,7 @@ def show_cmd(ctx: Context, table: str, version: int) -> None:
         descriptor = v.descriptor
     except BlockaggError as exc:
         _fail(ctx, 2, str(exc))
-    from blockagg.aggregator.clickhouse.types import describe
+    from blockagg.rows.types import describe
 
     fields = [{"name": f.name, "number": f.number, "type": describe(f)}
               for f in descriptor.fields]

@@ -37,11 +37,11 @@ from typing import Final
 from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 
-from blockagg.aggregator.clickhouse.exceptions import TypeParseError
-from blockagg.aggregator.clickhouse.rows import WRITER_COLUMNS, Column, match_columns
-from blockagg.aggregator.clickhouse.types import INT_RANGES, TIMESTAMP, CHType, parse_type
 from blockagg.proto.descriptors import is_repeated
 from blockagg.proto.exceptions import UnknownMode
+from blockagg.rows.columns import WRITER_COLUMNS, Column, match_columns
+from blockagg.rows.exceptions import TypeParseError
+from blockagg.rows.types import INT_RANGES, TIMESTAMP, CHType, parse_type
 
 _T = FieldDescriptor
 

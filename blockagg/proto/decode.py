@@ -36,7 +36,7 @@ Column types: ``int32``/``sint32``/``sfixed32``/enum -> int32 (enum numbers),
 -> float64, ``string`` -> string, ``bytes`` -> binary, message -> struct (null where
 absent), repeated -> list, map -> list of ``struct<key, value>``, one entry per key,
 sorted by key (upb's map order is unspecified; convert with
-:mod:`aggregator.clickhouse.types`). Fields with presence (``optional``, messages,
+:mod:`blockagg.rows.types`). Fields with presence (``optional``, messages,
 oneof members) are null when absent; the others hold the proto3 default, and a map's
 key and value are never null (an absent message value is the empty message).
 Recursive message types are not supported (their Arrow type would be infinite).

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.exceptions import BlockaggError
 
 
 class ProtoError(BlockaggError):

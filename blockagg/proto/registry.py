@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.proto.blockagg.v1 import registry_pb2
 from blockagg.proto.descriptors import load_descriptor
 from blockagg.proto.envelope import LATEST, is_table_name
@@ -53,8 +53,8 @@ from blockagg.proto.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from blockagg.aggregator.clickhouse.rows import Column
     from blockagg.proto.compat import Mode
+    from blockagg.rows.columns import Column
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class SchemaVersion:
         """The version's message descriptor: one object for every version (of any
         table) registered with the same bytes and message name, so that the rows of
         tables sharing a message type are decoded in one pass
-        (:func:`aggregator.clickhouse.rows.decide_envelopes_many`)."""
+        (:func:`blockagg.rows.columns.decide_envelopes_many`)."""
         return shared_descriptor(self.file_descriptor_set, self.message_name)
 
 
@@ -782,7 +782,7 @@ class RegistryCache:
 
 
 def from_config(config: Any) -> RegistryCache:
-    """The registry of a job configuration (``aggregator.config.Config``): the
+    """The registry of a job configuration (``blockagg.config.Config``): the
     ``[schemas] topic`` read with the job's Kafka client settings."""
     return RegistryCache(KafkaStore(dict(config.kafka.librdkafka_config()),
                                     config.schemas.topic),

@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.model import BlockSink, Fence, Lanes, MetadataStore
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.config import Config, TopicConfig
+from blockagg.exceptions import BlockaggError
 
 if TYPE_CHECKING:
     from blockagg.aggregator.clickhouse.dedup_window import DedupWindow
@@ -79,7 +79,7 @@ class DefaultComponents:
         def make() -> BlockSink:
             sink: BlockSink = make_writer(config, topic)
             if config.dead_letters.topic:
-                from blockagg.aggregator.clickhouse.dlq_topic import (
+                from blockagg.aggregator.kafka.dlq_topic import (
                     DeadLetterTopic,
                     DeadLetterTopicSink,
                 )
@@ -198,8 +198,8 @@ def make_writer(config: Config, topic: TopicConfig) -> Any:
         ClickHouseBlockWriter,
         Replica,
         WriterConfig,
-        tls_arguments,
     )
+    from blockagg.tls import tls_arguments
 
     ch = config.clickhouse
     quorum = config.insert_quorum_for(topic)

@@ -55,19 +55,19 @@ from functools import partial
 from types import FrameType
 from typing import Any
 
-from blockagg.aggregator import logs
-from blockagg.aggregator.clickhouse.deadletter_rate import RateThreshold, RateWindow
+from blockagg import logs
 from blockagg.aggregator.clickhouse.dedup_window import (
     DedupNeed,
 )
-from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.exceptions import MetadataDecodeError
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.core.protocol import undecodable_commit
 from blockagg.aggregator.kafka.exceptions import MetadataUnstable
 from blockagg.aggregator.kafka.hanging import read_or_diagnose
+from blockagg.config import Config, TopicConfig
+from blockagg.rows.deadletter_rate import RateThreshold, RateWindow
+from blockagg.rows.exceptions import DeadLetterRateExceeded
 from blockagg.spark.components import Components, DefaultComponents
 from blockagg.spark.exceptions import BatchTimedOut, JobError, StoppedBeforeBatch, refusal_in
 from blockagg.spark.heal import heal_hanging

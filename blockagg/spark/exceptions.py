@@ -2,7 +2,7 @@
 
 import re
 
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.exceptions import BlockaggError
 
 _RAISED = re.compile(r"^(blockagg(?:\.\w+)+)\.(\w+): (.+)$", re.MULTILINE)
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from blockagg.aggregator import logs
-from blockagg.aggregator.config import Config
+from blockagg import logs
 from blockagg.aggregator.kafka.fencing import FencedAttempt, transactional_id
 from blockagg.aggregator.kafka.hanging import (
     OFFSETS_TOPIC,
@@ -31,6 +30,7 @@ from blockagg.aggregator.kafka.hanging import (
 )
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
 from blockagg.aggregator.kafka.offsets_codec import OffsetCommit
+from blockagg.config import Config
 
 log = logs.get("metadata")
 

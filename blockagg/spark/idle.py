@@ -29,7 +29,7 @@ from blockagg.aggregator.core.metadata import (
     is_blockagg,
 )
 from blockagg.aggregator.core.model import MetadataStore
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.exceptions import ConfigError
 from blockagg.spark.components import open_attempt
 from blockagg.spark.offsets import TopicPartition
 

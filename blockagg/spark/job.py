@@ -23,9 +23,9 @@ if __package__ in (None, ""):  # run as a file by spark-submit: make the repo im
 
 import click
 
-from blockagg.aggregator import logs
-from blockagg.aggregator.config import SECRET_KEY_PARTS, Config, Secret, load
-from blockagg.aggregator.exceptions import BlockaggError, ConfigError
+from blockagg import logs
+from blockagg.config import SECRET_KEY_PARTS, Config, Secret, load
+from blockagg.exceptions import BlockaggError, ConfigError
 from blockagg.spark import preflight
 
 

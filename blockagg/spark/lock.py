@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.spark.exceptions import JobLocked, LockLost
 from blockagg.spark.offsets import TopicPartition
 

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.core.model import Committed
 from blockagg.spark.exceptions import OffsetLogError
 
@@ -269,7 +269,7 @@ def assign_json(partitions: Iterable[TopicPartition]) -> str:
 
 
 def _raise_config(exc: Exception) -> None:
-    from blockagg.aggregator.exceptions import ConfigError
+    from blockagg.exceptions import ConfigError
 
     text = str(exc)
     if "No such configuration property" in text or "Invalid value" in text:

@@ -24,14 +24,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.clickhouse.exceptions import RowsAlreadyStored
 from blockagg.aggregator.clickhouse.stored import (
     coordinate_tables,
     overlaps,
     stored_top,
 )
-from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.exceptions import MetadataDecodeError
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Committed
@@ -43,6 +42,7 @@ from blockagg.aggregator.kafka.ownership import (
     decide,
     shard_identity,
 )
+from blockagg.config import Config, TopicConfig
 from blockagg.spark.offsets import TopicPartition, make_consumer, read_committed, watermarks
 
 log = logs.get("ownership")
@@ -111,7 +111,7 @@ def _stored_conflicts(config: Config, topic: str, shard: TopicConfig,
                       ) -> dict[int, tuple[int, str]]:
     from clickhouse_driver import Client
 
-    from blockagg.aggregator.clickhouse.writer import tls_arguments
+    from blockagg.tls import tls_arguments
 
     ch = config.clickhouse
     tls = tls_arguments(ch.secure, ch.verify, ch.ca_certs)

@@ -33,16 +33,16 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.clickhouse.startup import check_replicas, driver_check
-from blockagg.aggregator.clickhouse.writer import tls_arguments
-from blockagg.aggregator.config import Config
-from blockagg.aggregator.exceptions import ConfigError
 from blockagg.aggregator.kafka import durability
 from blockagg.aggregator.kafka.exceptions import MetadataBudgetTooSmall, UnsafeKafkaDurability
 from blockagg.aggregator.kafka.startup import DEFAULT_TIMEOUT, check_topics
+from blockagg.config import Config
+from blockagg.exceptions import ConfigError
 from blockagg.spark import ownership
 from blockagg.spark.exceptions import JobError
+from blockagg.tls import tls_arguments
 
 if TYPE_CHECKING:
     from blockagg.spark.metrics import JobMetrics

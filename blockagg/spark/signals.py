@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from blockagg.aggregator import logs
+from blockagg import logs
 
 log = logs.get("job")
 

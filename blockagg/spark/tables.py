@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.clickhouse.dedup_window import (
     DedupNeed,
     expected_blocks,
     replica_keys,
     shard_partitions,
 )
-from blockagg.aggregator.config import Config, TopicConfig
+from blockagg.config import Config, TopicConfig
 from blockagg.spark.components import Components
 
 log = logs.get("job")

@@ -33,9 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from blockagg.aggregator import logs
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter, make_dead_letter
-from blockagg.aggregator.config import Config, TopicConfig
+from blockagg import logs
 from blockagg.aggregator.core.metadata import (
     DEAD_LETTER_TABLE_ID,
     NO_PINS,
@@ -58,6 +56,7 @@ from blockagg.aggregator.core.protocol import (
     read_committed,
     run_batch,
 )
+from blockagg.config import Config, TopicConfig
 from blockagg.proto.envelope import (
     Envelopes,
     Parsed,
@@ -65,6 +64,7 @@ from blockagg.proto.envelope import (
     parse_envelope,
     parse_envelopes,
 )
+from blockagg.rows.deadletters import DeadLetter, make_dead_letter
 from blockagg.spark.components import (
     Attempt,
     Components,
@@ -141,7 +141,7 @@ def build_batch(
     """The core's columnar :class:`Batch` for one partition's rows (offset order).
 
     Payloads: :class:`Message` for a message routed to a table, a
-    :class:`~aggregator.clickhouse.deadletters.DeadLetter` (table id 0) for one that
+    :class:`~blockagg.rows.deadletters.DeadLetter` (table id 0) for one that
     can't be: a malformed envelope or an unregistered table. Every decision is a pure
     function of the message and the registry, so a replay classifies alike.
     """
@@ -252,7 +252,7 @@ def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
 
     * ``registry``: 1 + the registry topic's end offset the worker's snapshot covers,
       checked first when ``[schemas] refresh_interval`` has passed or a message needs
-      a newer snapshot (:func:`aggregator.clickhouse.prepare.needs_newer`);
+      a newer snapshot (:func:`blockagg.rows.prepare.needs_newer`);
     * ``incarnation``: ``incarnation_of(cluster id, topic id)``, read from Kafka;
     * ``dedup``: the shard's server mode (token or content hash);
     * ``structure``: under content hash, the ZooKeeper mark of the columns of every
@@ -260,8 +260,8 @@ def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
 
     Components without ``incarnation``/``dedup_mode`` (test doubles) leave those 0,
     and a registry without positions leaves ``registry`` 0: unpinned, as before."""
-    from blockagg.aggregator.clickhouse.prepare import needs_newer, needs_newer_any
     from blockagg.proto.registry import registry_pin
+    from blockagg.rows.prepare import needs_newer, needs_newer_any
 
     position = 0
     if positioned(registry):
@@ -334,7 +334,7 @@ def prepare_batch(
     pins: Pins = NO_PINS,
     parsed: Sequence[Parsed | Rejected] | Envelopes | None = None,
 ) -> Batch:
-    """The :class:`Batch` through the data path (``aggregator.clickhouse.prepare``):
+    """The :class:`Batch` through the data path (``blockagg.rows.prepare``):
     envelopes (parsed in bulk), registry as of ``pins.registry``, vectorised decoding
     with each version's registered columns (checked against the live ones), dead
     letters.
@@ -344,14 +344,14 @@ def prepare_batch(
     envelopes when the caller has them (:func:`~proto.envelope.parse_envelopes`; a
     list of :func:`~proto.envelope.parse_envelope` results takes the per-message
     path, the same decisions)."""
-    from blockagg.aggregator.clickhouse.prepare import Message as Record
-    from blockagg.aggregator.clickhouse.prepare import (
+    from blockagg.proto.registry import pinned_position
+    from blockagg.rows.prepare import Message as Record
+    from blockagg.rows.prepare import (
         Plans,
         needs_newer_any,
         prepare,
         prepare_envelopes,
     )
-    from blockagg.proto.registry import pinned_position
 
     plans: Plans = cached(
         ("plans", topic.label, str(id(registry))),

@@ -16,10 +16,10 @@ from typing import Any, Final
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 
-from blockagg.aggregator import logs
-from blockagg.aggregator.clickhouse.rows import COORDINATE_COLUMNS
+from blockagg import logs
 from blockagg.proto.blockagg.v1.envelope_pb2 import Envelope
 from blockagg.proto.envelope import is_table_name
+from blockagg.rows.columns import COORDINATE_COLUMNS
 from blockagg.verifier.audit import Committed, Message
 from blockagg.verifier.exceptions import AuditError
 from blockagg.verifier.history import RESERVED_SETTINGS
@@ -210,7 +210,7 @@ class ClickHouseAuditReader:
     def __init__(self, host: str, port: int, user: str, password: str,
                  settings: Mapping[str, Any] | None = None, timeout: float = 10.0,
                  tls: Mapping[str, Any] | None = None) -> None:
-        """``tls``: clickhouse-driver's TLS arguments (``writer.tls_arguments``)."""
+        """``tls``: clickhouse-driver's TLS arguments (``blockagg.tls.tls_arguments``)."""
         from clickhouse_driver import Client
 
         self.address = f"{host}:{port}"
@@ -232,7 +232,7 @@ class ClickHouseAuditReader:
 
         if isinstance(exc, NetworkError | SocketTimeoutError | OSError | EOFError):
             if "SSL" in str(exc) or "certificate" in str(exc).lower():
-                from blockagg.aggregator.clickhouse.cli_tls import TLS_FIX
+                from blockagg.cli_tls import TLS_FIX
 
                 return AuditError(
                     f"TLS with ClickHouse at {self.address} failed: {exc}; check {TLS_FIX}")

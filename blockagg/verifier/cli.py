@@ -21,10 +21,10 @@ from typing import Any, Final, TextIO
 import click
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from blockagg.aggregator import logs
-from blockagg.aggregator.clickhouse.cli_tls import default_endpoint, tls_from_flags, tls_options
+from blockagg import logs
 from blockagg.aggregator.core.metadata import Metadata
 from blockagg.aggregator.kafka.ownership import DEFAULT_TOPIC as DEFAULT_OWNERS_TOPIC
+from blockagg.cli_tls import default_endpoint, tls_from_flags, tls_options
 from blockagg.proto.envelope import is_table_name
 from blockagg.verifier import ownership
 from blockagg.verifier.audit import DEFAULT_EXAMPLES, AuditReport, audit_partitions, make_plan

@@ -1,7 +1,7 @@
 """Errors of the verifier. Each message carries the offending value."""
 
-from blockagg.aggregator.exceptions import BlockaggError
 from blockagg.aggregator.kafka.exceptions import OffsetsDecodeError
+from blockagg.exceptions import BlockaggError
 
 __all__ = ["AuditError", "HistoryReadError", "OffsetsDecodeError", "VerifierError"]
 

@@ -34,7 +34,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.kafka.offsets_codec import OffsetCommitKey, decode_key, decode_value
 from blockagg.verifier.exceptions import HistoryReadError, OffsetsDecodeError
 from blockagg.verifier.rules import Commit

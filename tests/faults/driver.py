@@ -467,8 +467,8 @@ def armed_fault(job: Job, step: str, fired: Any, window_s: float) -> dict[str, A
 
 
 def _metadata_store(job: Job, stack: StackControl) -> Any:
-    from blockagg.aggregator.config import load
     from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
+    from blockagg.config import load
 
     group = load(job.config, {}).job.metadata_group_id
     return KafkaMetadataStore({"bootstrap.servers": stack.bootstrap, "group.id": group})

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Batch, Block, BlockSink, Committed, MetadataStore
 from blockagg.aggregator.kafka.exceptions import AttemptFenced
+from blockagg.config import Config, TopicConfig
 from blockagg.spark.components import (
     Attempt,
     Components,

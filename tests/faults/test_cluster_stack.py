@@ -26,9 +26,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from blockagg.aggregator.config import Config, loads
 from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
 from blockagg.aggregator.kafka.startup import check_topics
+from blockagg.config import Config, loads
 from blockagg.spark import preflight
 from tests.faults.stack import StackControl
 

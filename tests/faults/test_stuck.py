@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
 from blockagg.aggregator.clickhouse.exceptions import QuorumUnsatisfied
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.aggregator.kafka.exceptions import MetadataCommitError
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
+from blockagg.rows.deadletters import make_dead_letter
 from tests.faults import driver, hooks
 from tests.faults.stack import StackControl
 from tests.faults.workload import Workload

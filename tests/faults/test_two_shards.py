@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from blockagg.aggregator.config import load
+from blockagg.config import load
 from blockagg.proto.registry import MemoryStore, Registry, register
 from tests.faults import checker
 from tests.faults.test_resume import _Delivered

@@ -58,10 +58,10 @@ from typing import Any
 
 import numpy as np
 
-from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import Envelopes, make_envelope, parse_envelopes
 from blockagg.proto.registry import KafkaStore, MemoryStore, Registration, Registry, register
+from blockagg.rows.deadletters import dead_letter_ddl
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_PROTO = REPO_ROOT / "bench" / "row.proto"

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
-from blockagg.aggregator.config import Config, TopicConfig
 from blockagg.aggregator.core.model import Batch, Block, BlockSink, MetadataStore
+from blockagg.config import Config, TopicConfig
+from blockagg.rows.deadletters import DeadLetter
 from blockagg.spark.components import DefaultComponents, StaticRegistry, TableRegistry
 
 

@@ -11,14 +11,7 @@ import numpy as np
 import pytest
 from clickhouse_driver import Client as DriverClient
 
-from blockagg.aggregator.clickhouse.native import (
-    EnumColumn,
-    NativeBlock,
-    StringColumn,
-    native_client_class,
-)
-from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
-from blockagg.aggregator.clickhouse.types import parse_type
+from blockagg.aggregator.clickhouse.native import NativeBlock, native_client_class
 from blockagg.aggregator.clickhouse.writer import (
     ClickHouseBlockWriter,
     Replica,
@@ -29,6 +22,9 @@ from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows.layout import EnumColumn, StringColumn
+from blockagg.rows.prepare import Message, Plans, prepare
+from blockagg.rows.types import parse_type
 from tests.faults.workload import COLUMNS, COORDINATES, ROW_MESSAGE, row_descriptor_set
 from tests.integration.conftest import replicated_engine
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
-from blockagg.aggregator.clickhouse.dlq_topic import DeadLetterTopic
+from blockagg.aggregator.kafka.dlq_topic import DeadLetterTopic
+from blockagg.rows.deadletters import make_dead_letter
 
 pytestmark = pytest.mark.integration
 

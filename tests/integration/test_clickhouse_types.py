@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows.prepare import Message, Plans, prepare
 from tests.integration.conftest import replicated_engine
 
 pytestmark = pytest.mark.integration

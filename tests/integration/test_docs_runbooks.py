@@ -446,7 +446,7 @@ def test_schemas_md_ba_schema_block_and_evolution_steps(
 def test_running_md_dead_letter_missing_blocks_restart_parses(tmp_path: Path) -> None:
     """The restart command's flags, after ``job.py``, through the job's own parsing:
     the ``--set`` value is TOML, quoted for the shell as written."""
-    from blockagg.aggregator.config import load
+    from blockagg.config import load
     from blockagg.spark.job import _toml_value
 
     block = the_block(RUNNING_MD, "sh",

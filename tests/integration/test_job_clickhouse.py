@@ -1,7 +1,7 @@
 """The job's delivery proofs on the real stack, end to end: ``spark/job.py`` under
 ``spark-submit`` (Spark's Kafka source, the Kafka metadata store, the offset log),
 the real data path (``proto.envelope`` envelopes, the schema registry in a Kafka topic
-written by ``ba-schema``, ``aggregator.clickhouse.prepare`` and the block writer) into
+written by ``ba-schema``, ``blockagg.rows.prepare`` and the block writer) into
 two ClickHouse 18.16 replicas (``ReplicatedMergeTree`` on ZooKeeper, insert_quorum 2).
 
 Each test produces rows with ids unique over the test, records from the producer's
@@ -497,8 +497,8 @@ def make_job(tmp: Path, stack_env: dict[str, str], topic: str, database: str,
     """Tables on both replicas, schemas registered with ``ba-schema``, the job TOML."""
     from click.testing import CliRunner
 
-    from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
     from blockagg.proto.cli import cli as ba_schema
+    from blockagg.rows.deadletters import dead_letter_ddl
 
     for client in clients:
         for short, (columns, _) in TABLES.items():

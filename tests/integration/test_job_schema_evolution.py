@@ -509,7 +509,7 @@ def _find_key(obj: Any, key: str) -> Any:
 def make_evolution(tmp: Path, stack_env: dict[str, str], topic: str, database: str,
                    clients: list[Any], seed: int) -> Evolution:
     """v1 tables on both replicas, v1 registered with ``ba-schema``, the job TOML."""
-    from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
+    from blockagg.rows.deadletters import dead_letter_ddl
 
     for client in clients:
         for short, spec in TABLES.items():

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
-from blockagg.aggregator.config import loads
 from blockagg.aggregator.kafka import durability
+from blockagg.config import loads
 from blockagg.spark import preflight
 
 pytestmark = pytest.mark.integration

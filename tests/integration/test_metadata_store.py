@@ -129,7 +129,7 @@ def test_1000_table_metadata_is_accepted_by_the_broker(
 
 
 def test_the_brokers_offset_metadata_max_bytes_is_read_at_start(kafka_bootstrap: str) -> None:
-    from blockagg.aggregator.config import loads
+    from blockagg.config import loads
     from blockagg.spark.preflight import broker_metadata_max_bytes
 
     config = loads(f"""

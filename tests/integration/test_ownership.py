@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from blockagg.aggregator.config import load
 from blockagg.aggregator.kafka.exceptions import TopicOwned
 from blockagg.aggregator.kafka.ownership import ClaimKey, OwnersStore, shard_identity
+from blockagg.config import load
 from blockagg.spark import ownership
 from blockagg.verifier.cli import cli as arv
 from tests.integration.test_startup_refusals import refused

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from blockagg.aggregator.clickhouse.exceptions import ReplayAcrossAlter
-from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter
 from blockagg.aggregator.core.metadata import DedupMode, Pins
 from blockagg.aggregator.core.model import Batch, Block, Thresholds, block_token
@@ -26,6 +25,7 @@ from blockagg.aggregator.kafka.exceptions import AttemptFenced
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows.prepare import Message, Plans, prepare
 from tests.integration.conftest import replicated_engine
 from tests.integration.test_clickhouse_writer import (
     COLUMNS_1816,

@@ -166,8 +166,8 @@ def test_two_clusters_same_topic_into_one_shard_each_row_once_through_a_kill9(
     is killed (-9) mid-stream; job B then delivers everything, its blocks meeting A's
     equal ones; A restarts and replays its interrupted blocks. Each cluster's rows are
     stored exactly once, on both replicas."""
-    from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
     from blockagg.aggregator.kafka.incarnation import TopicIncarnations
+    from blockagg.rows.deadletters import dead_letter_ddl
 
     for client in ch_replicas:
         for short, (columns, _) in TABLES.items():
@@ -237,7 +237,7 @@ def test_a_table_without_incarnation_is_refused_when_shared(
     the column to add, before anything is written."""
     import subprocess
 
-    from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
+    from blockagg.rows.deadletters import dead_letter_ddl
 
     for client in ch_replicas:
         for short, (columns, _) in TABLES.items():

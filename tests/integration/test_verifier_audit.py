@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner, Result
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
 from blockagg.proto.envelope import make_envelope
+from blockagg.rows.deadletters import dead_letter_ddl
 from blockagg.verifier.cli import cli
 from tests.integration.conftest import replicated_engine
 

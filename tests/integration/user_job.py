@@ -129,7 +129,7 @@ class Job:
         return path
 
     def create_tables(self) -> None:
-        from blockagg.aggregator.clickhouse.deadletters import dead_letter_ddl
+        from blockagg.rows.deadletters import dead_letter_ddl
 
         for client in self.clients:
             client.execute(

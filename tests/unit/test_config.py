@@ -1,4 +1,4 @@
-"""blockagg.aggregator.config: validation, pass-through, secrets, overrides."""
+"""blockagg.config: validation, pass-through, secrets, overrides."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from blockagg.aggregator.config import (
+from blockagg.config import (
     Secret,
     iter_keys,
     load,
@@ -16,7 +16,7 @@ from blockagg.aggregator.config import (
     parse_duration,
     parse_size,
 )
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.exceptions import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

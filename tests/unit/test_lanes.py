@@ -13,9 +13,9 @@ import pytest
 
 from blockagg.aggregator.core.model import Batch, Block, Thresholds
 from blockagg.aggregator.core.protocol import CommitMetadata, plan_batch, run_batch, steps
-from blockagg.aggregator.exceptions import ConfigError
 from blockagg.aggregator.kafka.exceptions import AttemptFenced
 from blockagg.aggregator.lanes import ThreadLanes
+from blockagg.exceptions import ConfigError
 from tests.unit.core.fakes import DedupSink, MemoryMetadataStore, make_batch
 from tests.unit.core.test_fencing import Coordinator, store_and_opener
 

@@ -9,10 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockagg.aggregator.clickhouse.stored import overlaps, stored_top, stored_top_query
-from blockagg.aggregator.config import loads
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
 from blockagg.aggregator.core.model import Committed
-from blockagg.aggregator.exceptions import ConfigError
 from blockagg.aggregator.kafka.exceptions import OwnershipStoreError, TopicOwned
 from blockagg.aggregator.kafka.ownership import (
     HISTORY_KEPT,
@@ -22,6 +20,8 @@ from blockagg.aggregator.kafka.ownership import (
     decide,
     shard_identity,
 )
+from blockagg.config import loads
+from blockagg.exceptions import ConfigError
 from blockagg.spark.ownership import delivers_from
 from blockagg.verifier.ownership import conflicts
 

@@ -45,7 +45,7 @@ from blockagg.aggregator.clickhouse.exceptions import DedupWindowTooSmall
 from blockagg.aggregator.core.model import BATCHES_IN_FLIGHT, BlockShare
 
 if TYPE_CHECKING:
-    from blockagg.aggregator.config import Config
+    from blockagg.config import Config
 
 __all__ = ["BATCHES_IN_FLIGHT", "BlockShare", "DedupNeed", "DedupWindow", "expected_blocks",
            "judge_window", "replica_keys", "shard_partitions", "shares"]

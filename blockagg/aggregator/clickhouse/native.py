@@ -1,19 +1,9 @@
-"""Columns kept in ClickHouse's Native layout, and the insert that sends them as is.
+"""The insert that sends columns kept in ClickHouse's Native layout as they are.
 
-The converted columns of a block (:func:`aggregator.clickhouse.types.convert_array`)
-are numpy arrays for numbers and ``DateTime``, and, for the types whose Native
-layout is not one fixed-width array, the classes here, which hold that layout:
-
-* :class:`StringColumn`: byte offsets into one buffer of UTF-8 (or raw) bytes, as
-  Arrow holds them. Native: per value a varint length, then the bytes.
-* :class:`EnumColumn`: per row an index into the column's names. Native: the
-  names' numbers as ``Int8``/``Int16``.
-* :class:`ListColumn` (``Array(T)``): row offsets into one flat column of ``T``.
-  Native: the rows' end offsets as ``UInt64``, then the flat values.
-
-Each has ``tolist()`` giving exactly the values the per-value path
-(:func:`~aggregator.clickhouse.types.convert_column`) gives, ``driver_items()`` giving
-what clickhouse-driver's numpy mode takes, slicing, and :func:`concat`.
+The columns (numpy arrays, and the :mod:`blockagg.rows.layout` classes
+:class:`~blockagg.rows.layout.StringColumn`, :class:`~blockagg.rows.layout.EnumColumn`
+and :class:`~blockagg.rows.layout.ListColumn`) come from the rows stage; this adapter
+joins a block's parts (:func:`concat`) and writes their bytes.
 
 :func:`encode_column` serialises a column to the bytes clickhouse-driver writes for
 the same values (``tests/unit/clickhouse/test_native.py`` compares them byte for byte
@@ -29,193 +19,23 @@ on a first attempt, a retry and a replay, whichever path sent it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Final, Union
+from collections.abc import Sequence
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
-import pyarrow as pa
 
 from blockagg.aggregator.clickhouse.exceptions import ClickHouseError
-from blockagg.aggregator.clickhouse.types import NUMPY_DTYPES, CHType, parse_type
+from blockagg.rows.layout import (
+    NATIVE_COLUMNS,
+    EnumColumn,
+    ListColumn,
+    NativeValues,
+    StringColumn,
+)
+from blockagg.rows.types import NUMPY_DTYPES, CHType, parse_type
 
 _I64 = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True, eq=False)
-class StringColumn:
-    """Strings (``binary``: bytes values) as ``data[offsets[i]:offsets[i + 1]]``."""
-
-    offsets: _I64
-    data: npt.NDArray[np.uint8]
-    binary: bool = False
-    constant: bytes | None = None
-    """Every value's bytes when the column repeats one value (:meth:`repeat`)."""
-
-    @classmethod
-    def from_arrow(cls, column: pa.Array) -> StringColumn:
-        """The values of an Arrow ``string``/``binary`` array without nulls (no copy
-        of the bytes)."""
-        if column.null_count:
-            raise ValueError("StringColumn holds no nulls")
-        wide = pa.types.is_large_string(column.type) or pa.types.is_large_binary(column.type)
-        _, offsets_buf, data_buf = column.buffers()
-        n = len(column)
-        raw = np.frombuffer(offsets_buf, dtype=np.int64 if wide else np.int32)
-        offsets = raw[column.offset:column.offset + n + 1].astype(np.int64)
-        data = (np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
-                else np.zeros(0, dtype=np.uint8))
-        binary = pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type)
-        return cls(offsets, data, binary)
-
-    @classmethod
-    def repeat(cls, value: str, n: int) -> StringColumn:
-        """``value``, ``n`` times."""
-        encoded = value.encode()
-        raw = np.frombuffer(encoded, dtype=np.uint8)
-        return cls(np.arange(n + 1, dtype=np.int64) * len(raw), np.tile(raw, n),
-                   constant=encoded)
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.tolist())
-
-    def __getitem__(self, rows: slice) -> StringColumn:
-        start, stop, step = rows.indices(len(self))
-        if step != 1:
-            raise ValueError("StringColumn slices are contiguous")
-        return StringColumn(self.offsets[start:max(start, stop) + 1], self.data, self.binary,
-                            self.constant)
-
-    def tolist(self) -> list[Any]:
-        raw = self.data.tobytes()
-        o = self.offsets.tolist()
-        if self.binary:
-            return [raw[o[i]:o[i + 1]] for i in range(len(o) - 1)]
-        return [raw[o[i]:o[i + 1]].decode() for i in range(len(o) - 1)]
-
-    def driver_items(self) -> npt.NDArray[Any]:
-        return _objects(self.tolist())
-
-    def native(self) -> bytes:
-        """Per value: its length as a LEB128 varint, then its bytes."""
-        lengths = np.diff(self.offsets)
-        n = len(lengths)
-        if n == 0:
-            return b""
-        if self.constant is not None:
-            return (_varint(len(self.constant)) + self.constant) * n
-        base, end = int(self.offsets[0]), int(self.offsets[-1])
-        if int(lengths.max()) < 0x80:
-            # One length byte per value (short strings, the usual case): each value's
-            # length byte goes before its bytes, the bytes fill the rest in order.
-            at = self.offsets[:-1] - base + np.arange(n, dtype=np.int64)
-            out = np.empty(n + end - base, dtype=np.uint8)
-            out[at] = lengths
-            is_data = np.ones(out.size, dtype=np.bool_)
-            is_data[at] = False
-            out[is_data] = self.data[base:end]
-            return out.tobytes()
-        widths = np.ones(n, dtype=np.int64)
-        for k in range(1, 10):
-            longer = lengths >= (1 << (7 * k))
-            if not longer.any():
-                break
-            widths += longer
-        starts = np.zeros(n, dtype=np.int64)
-        np.cumsum(widths[:-1] + lengths[:-1], out=starts[1:])
-        total = int(starts[-1] + widths[-1] + lengths[-1])
-        out = np.empty(total, dtype=np.uint8)
-        is_data = np.ones(total, dtype=np.bool_)
-        for k in range(int(widths.max())):
-            rows = np.flatnonzero(widths > k)
-            byte = (lengths[rows] >> (7 * k)) & 0x7F
-            byte |= np.where(widths[rows] > k + 1, 0x80, 0)
-            out[starts[rows] + k] = byte
-            is_data[starts[rows] + k] = False
-        out[is_data] = self.data[int(self.offsets[0]):int(self.offsets[-1])]
-        return out.tobytes()
-
-
-@dataclass(frozen=True, eq=False)
-class EnumColumn:
-    """Enum values as indexes into ``names`` (``None``: a value without a name, on a
-    row that is a dead letter and never inserted) and ``numbers`` (the column's
-    number for each name)."""
-
-    index: npt.NDArray[np.intp]
-    names: tuple[str | None, ...]
-    numbers: npt.NDArray[np.int64]
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.tolist())
-
-    def __getitem__(self, rows: slice) -> EnumColumn:
-        return EnumColumn(self.index[rows], self.names, self.numbers)
-
-    def tolist(self) -> list[Any]:
-        return list(_objects(list(self.names))[self.index].tolist())
-
-    def driver_items(self) -> npt.NDArray[Any]:
-        return _objects(list(self.names))[self.index]
-
-    def native(self, ch: CHType) -> bytes:
-        dtype = "<i1" if ch.name == "Enum8" else "<i2"
-        return self.numbers[self.index].astype(dtype).tobytes()
-
-
-Flat = Union[npt.NDArray[Any], StringColumn, EnumColumn, "ListColumn"]
-
-
-@dataclass(frozen=True, eq=False)
-class ListColumn:
-    """``Array(T)`` rows: row ``i`` is ``flat[offsets[i]:offsets[i + 1]]``."""
-
-    offsets: _I64
-    flat: Flat
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.tolist())
-
-    def __getitem__(self, rows: slice) -> ListColumn:
-        start, stop, step = rows.indices(len(self))
-        if step != 1:
-            raise ValueError("ListColumn slices are contiguous")
-        return ListColumn(self.offsets[start:max(start, stop) + 1], self.flat)
-
-    def _values(self) -> Flat:
-        return self.flat[int(self.offsets[0]):int(self.offsets[-1])]
-
-    def tolist(self) -> list[Any]:
-        values = self._values().tolist()
-        bounds = (self.offsets - self.offsets[0]).tolist()
-        return [values[bounds[i]:bounds[i + 1]] for i in range(len(bounds) - 1)]
-
-    def driver_items(self) -> npt.NDArray[Any]:
-        return _objects(self.tolist())
-
-    def native(self, ch: CHType) -> bytes:
-        ends: bytes = (self.offsets[1:] - self.offsets[0]).astype("<u8").tobytes()
-        return ends + encode_column(ch.children[0], self._values())
-
-
-NativeValues = npt.NDArray[Any] | StringColumn | EnumColumn | ListColumn
-NATIVE_COLUMNS: Final = (StringColumn, EnumColumn, ListColumn)
-
-
-def _objects(items: list[Any]) -> npt.NDArray[Any]:
-    out = np.empty(len(items), dtype=object)
-    out[:] = items
-    return out
 
 
 def concat(parts: Sequence[NativeValues]) -> NativeValues:
@@ -264,17 +84,64 @@ def encode_column(ch: CHType, values: NativeValues) -> bytes:
     """The column's Native bytes, as clickhouse-driver writes them for these values
     (no state prefix: none of these types has one)."""
     if isinstance(values, ListColumn) and ch.name == "Array":
-        return values.native(ch)
+        return _list_native(values, ch)
     if isinstance(values, EnumColumn) and ch.name in ("Enum8", "Enum16"):
-        return values.native(ch)
+        return _enum_native(values, ch)
     if isinstance(values, StringColumn) and ch.name == "String":
-        return values.native()
+        return _string_native(values)
     if isinstance(values, np.ndarray) and ch.name in NUMPY_DTYPES and values.dtype != object:
         if ch.name == "DateTime" and ch.args:
             raise ClickHouseError(f"no Native encoding of {ch} here")
         return values.astype(np.dtype(NUMPY_DTYPES[ch.name]).newbyteorder("<")).tobytes()
     raise ClickHouseError(f"no Native encoding of a {type(values).__name__} column as {ch}")
 
+
+def _string_native(column: StringColumn) -> bytes:
+    """Per value: its length as a LEB128 varint, then its bytes."""
+    lengths = np.diff(column.offsets)
+    n = len(lengths)
+    if n == 0:
+        return b""
+    if column.constant is not None:
+        return (_varint(len(column.constant)) + column.constant) * n
+    base, end = int(column.offsets[0]), int(column.offsets[-1])
+    if int(lengths.max()) < 0x80:
+        # One length byte per value (short strings, the usual case): each value's
+        # length byte goes before its bytes, the bytes fill the rest in order.
+        at = column.offsets[:-1] - base + np.arange(n, dtype=np.int64)
+        out = np.empty(n + end - base, dtype=np.uint8)
+        out[at] = lengths
+        is_data = np.ones(out.size, dtype=np.bool_)
+        is_data[at] = False
+        out[is_data] = column.data[base:end]
+        return out.tobytes()
+    widths = np.ones(n, dtype=np.int64)
+    for k in range(1, 10):
+        longer = lengths >= (1 << (7 * k))
+        if not longer.any():
+            break
+        widths += longer
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(widths[:-1] + lengths[:-1], out=starts[1:])
+    total = int(starts[-1] + widths[-1] + lengths[-1])
+    out = np.empty(total, dtype=np.uint8)
+    is_data = np.ones(total, dtype=np.bool_)
+    for k in range(int(widths.max())):
+        rows = np.flatnonzero(widths > k)
+        byte = (lengths[rows] >> (7 * k)) & 0x7F
+        byte |= np.where(widths[rows] > k + 1, 0x80, 0)
+        out[starts[rows] + k] = byte
+        is_data[starts[rows] + k] = False
+    out[is_data] = column.data[int(column.offsets[0]):int(column.offsets[-1])]
+    return out.tobytes()
+
+def _enum_native(column: EnumColumn, ch: CHType) -> bytes:
+    dtype = "<i1" if ch.name == "Enum8" else "<i2"
+    return column.numbers[column.index].astype(dtype).tobytes()
+
+def _list_native(column: ListColumn, ch: CHType) -> bytes:
+    ends: bytes = (column.offsets[1:] - column.offsets[0]).astype("<u8").tobytes()
+    return ends + encode_column(ch.children[0], column._values())
 
 def _varint(n: int) -> bytes:
     out = bytearray()

@@ -43,7 +43,7 @@ from blockagg.aggregator.clickhouse.structure import (
 from blockagg.proto.envelope import is_table_name
 
 ALLOW_SETTING: Final = "clickhouse.allow_stored_coordinates"
-"""The explicit opt-out of the refusal (``aggregator.config.ClickHouseConfig``)."""
+"""The explicit opt-out of the refusal (``blockagg.config.ClickHouseConfig``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ Invariants:
   retried block, naming the table and the setting to change.
 
 Columnar path: when every column of a block is columnar (see
-:func:`aggregator.clickhouse.types.convert_array`: numpy arrays, and String, Enum and
+:func:`blockagg.rows.types.convert_array`: numpy arrays, and String, Enum and
 Array columns in Native layout) of a type in :data:`NUMPY_TYPES`, the block goes to
 the default client (:class:`~aggregator.clickhouse.native.NativeClient`) as a
 :class:`~aggregator.clickhouse.native.NativeBlock`, serialised from those buffers
@@ -43,8 +43,6 @@ from typing import Any, Final, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from blockagg.aggregator.clickhouse.deadletters import COLUMNS as DEAD_LETTER_COLUMNS
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
 from blockagg.aggregator.clickhouse.dedup_window import DedupNeed, DedupWindow, judge_window
 from blockagg.aggregator.clickhouse.exceptions import (
     AlterNotApplied,
@@ -60,21 +58,10 @@ from blockagg.aggregator.clickhouse.exceptions import (
     TableNotFound,
 )
 from blockagg.aggregator.clickhouse.native import (
-    NATIVE_COLUMNS,
     NativeBlock,
-    StringColumn,
     concat,
     native_client_class,
     native_type_ok,
-)
-from blockagg.aggregator.clickhouse.rows import (
-    COORDINATE_COLUMNS,
-    INCARNATION_COLUMN,
-    Column,
-    ColumnSet,
-    Payloads,
-    Rows,
-    TablePlan,
 )
 from blockagg.aggregator.clickhouse.stored import StoredRange, stored_ranges, unmarked_tables
 from blockagg.aggregator.clickhouse.structure import (
@@ -85,9 +72,21 @@ from blockagg.aggregator.clickhouse.structure import (
     landed_query,
     resend_risk,
 )
-from blockagg.aggregator.clickhouse.types import INT_RANGES, CHType, default_value, parse_type
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, DedupMode
 from blockagg.aggregator.core.model import Batch, Block
+from blockagg.rows.columns import (
+    COORDINATE_COLUMNS,
+    INCARNATION_COLUMN,
+    Column,
+    ColumnSet,
+    Payloads,
+    Rows,
+    TablePlan,
+)
+from blockagg.rows.deadletters import COLUMNS as DEAD_LETTER_COLUMNS
+from blockagg.rows.deadletters import DeadLetter
+from blockagg.rows.layout import NATIVE_COLUMNS, StringColumn
+from blockagg.rows.types import INT_RANGES, CHType, default_value, parse_type
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +271,7 @@ class WriterConfig:
     mode (when the driver's numpy extras, i.e. pandas, are installed)."""
     tls: Mapping[str, Any] = field(default_factory=dict)
     """clickhouse-driver's TLS arguments (``secure``, ``verify``, ``ca_certs``), from
-    ``[clickhouse]`` (:func:`tls_arguments`)."""
+    ``[clickhouse]`` (:func:`blockagg.tls.tls_arguments`)."""
     replay_across_alter: str = "refuse"
     """``clickhouse.replay_across_alter``: a re-send after an ALTER that the table's
     coordinates can't settle is refused, inserted or skipped."""
@@ -307,7 +306,7 @@ class WriterConfig:
 
     def __post_init__(self) -> None:
         if not self.replicas:
-            from blockagg.aggregator.exceptions import ConfigError
+            from blockagg.exceptions import ConfigError
 
             raise ConfigError("need at least one ClickHouse replica (host:port) for the shard")
 
@@ -362,18 +361,6 @@ def default_client_factory(config: WriterConfig) -> Callable[[Replica], Client]:
         made: Client = client
         return made
     return make
-
-
-def tls_arguments(secure: bool, verify: bool, ca_certs: str | None) -> dict[str, Any]:
-    """clickhouse-driver's TLS keyword arguments for ``[clickhouse] secure / verify /
-    ca_certs``: every connection the job, ``ba-schema`` and the start-up checks open
-    takes these, so a TLS setting never applies to some connections only."""
-    if not secure:
-        return {}
-    arguments: dict[str, Any] = {"secure": True, "verify": verify}
-    if ca_certs is not None:
-        arguments["ca_certs"] = ca_certs
-    return arguments
 
 
 def connected_version(client: Client) -> tuple[int, ...]:
@@ -786,7 +773,7 @@ class ClickHouseBlockWriter:
             if not isinstance(payload, Rows):
                 raise ClickHouseError(
                     f"block of {block.table} holds a {type(payload).__name__} payload; "
-                    "expected aggregator.clickhouse.rows.Rows")
+                    "expected blockagg.rows.columns.Rows")
             rows_payloads.append(payload)
         names, fills = self._union_columns(block, [p.columns.plan for p in rows_payloads])
         if numpy and not fills and self._numpy_eligible(
@@ -926,7 +913,7 @@ class ClickHouseBlockWriter:
             raise ClickHouseError(
                 f"block of {block.table} mixes schema versions with different columns and "
                 "its plans carry no live columns; build plans with "
-                "blockagg.aggregator.clickhouse.rows.make_plan")
+                "blockagg.rows.columns.make_plan")
         present = {name for p in distinct for name in p.columns}
         names = tuple(c.name for c in live if c.name in present)
         fills: dict[str, Any] = {}

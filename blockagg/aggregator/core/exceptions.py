@@ -2,7 +2,7 @@
 the protocol refuses to process because processing them would lose or duplicate.
 """
 
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.exceptions import BlockaggError
 
 
 class CoreError(BlockaggError):

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from blockagg.aggregator.core.metadata import NO_PINS, BlockRange, Pins
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.exceptions import ConfigError
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -34,7 +34,7 @@ class Batch:
     inside ``[start, end)``): ``table_ids[i]`` is the table's stable id (0 is the
     dead-letter table), ``row_counts[i]`` the number of rows it carries and
     ``sizes[i]`` its encoded size in bytes. ``payloads[i]`` is opaque to the core
-    and handed to the sink (``aggregator.clickhouse.prepare.prepare`` makes it: a
+    and handed to the sink (``blockagg.rows.prepare.prepare`` makes it: a
     decoded ``Rows`` slice, or a ``DeadLetter`` for table id 0; ``prepare_envelopes``
     gives a ``Payloads`` sequence of the same items, made on demand). ``tables`` maps
     every table id present to its ``database.table`` name. ``partition_end`` is the

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.kafka.exceptions import UnsafeKafkaDurability
 
 OPT_OUT = "kafka.allow_unsafe_durability = true (--set kafka.allow_unsafe_durability=true)"

@@ -2,7 +2,7 @@
 for good (after retrying the retriable errors), with what to change."""
 
 from blockagg.aggregator.core.exceptions import MetadataTooLarge
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.exceptions import BlockaggError
 
 
 class KafkaAdapterError(BlockaggError):
@@ -76,3 +76,7 @@ class MetadataBudgetTooSmall(KafkaAdapterError, MetadataTooLarge):
     tables at the configured batch range could exceed ``offset.metadata.max.bytes``,
     or the brokers' ``offset.metadata.max.bytes`` is below the job's
     ``offset_metadata_max_bytes``. The message names the value to set."""
+
+
+class DeadLetterPublishFailed(KafkaAdapterError):
+    """The dead-letter topic did not acknowledge a copy of a dead letter."""

@@ -40,14 +40,14 @@ from typing import Any, Final, Protocol, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.core.model import Committed
+from blockagg.aggregator.kafka.errors import error_of, is_retriable
 from blockagg.aggregator.kafka.exceptions import (
     AttemptFenced,
     MetadataCommitError,
     OffsetMetadataTooLarge,
 )
-from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore, _error_of, _is_retriable
 
 log = logs.get("metadata")
 
@@ -114,6 +114,21 @@ CONSUMER_ONLY: Final = frozenset(
      "isolation.level", "enable.auto.offset.store", "session.timeout.ms",
      "heartbeat.interval.ms", "partition.assignment.strategy", "max.poll.interval.ms"}
 )
+
+
+class AttemptStore(Protocol):
+    """What an attempt uses of its metadata store (``metadata_store.KafkaMetadataStore``,
+    which opens attempts: typed by this protocol so the store imports the attempt and
+    never the reverse)."""
+
+    group_id: str
+    settings: Mapping[str, Any]
+    timeout: float
+    clock: Callable[[], float]
+
+    def committed(self, topic: str, partition: int) -> Committed | None: ...
+
+    def group_metadata(self) -> Any: ...
 
 
 class TransactionalProducer(Protocol):
@@ -184,7 +199,7 @@ class FencedAttempt:
 
     def __init__(
         self,
-        store: KafkaMetadataStore,
+        store: AttemptStore,
         topic: str,
         partition: int,
         *,
@@ -325,7 +340,7 @@ class FencedAttempt:
                 self._reusable = True
                 return
             except KafkaException as exc:
-                error = _error_of(exc)
+                error = error_of(exc)
                 if error is not None and error.code() in FENCED_CODES:
                     raise self._fenced(f"the commit of offset {offset} was refused: "
                                        f"{error.str()}") from exc
@@ -338,7 +353,7 @@ class FencedAttempt:
                         "maxOffsetsPerTrigger."
                     ) from exc
                 again = error is not None and not error.fatal() and (
-                    error.txn_requires_abort() or _is_retriable(error))
+                    error.txn_requires_abort() or is_retriable(error))
                 if not again or tries == self._retries:
                     raise MetadataCommitError(
                         f"could not commit offset {offset} of {self._where} in a transaction "
@@ -356,7 +371,7 @@ class FencedAttempt:
             self._bounded(lambda: self._producer.abort_transaction(self._timeout),
                           "abort_transaction")
         except KafkaException as exc:
-            error = _error_of(exc)
+            error = error_of(exc)
             if error is not None and error.code() in FENCED_CODES:
                 raise self._fenced(f"aborting a failed commit was refused: {error.str()}") \
                     from exc

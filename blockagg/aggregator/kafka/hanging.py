@@ -41,9 +41,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol, TypeVar
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.core.metadata import is_blockagg
 from blockagg.aggregator.kafka.exceptions import MetadataUnstable, OffsetsDecodeError
+from blockagg.aggregator.kafka.fencing import TRANSACTION_TIMEOUT_MS
 from blockagg.aggregator.kafka.offsets_codec import OffsetCommit, Record, decode_record
 
 OFFSETS_TOPIC: Final = "__consumer_offsets"
@@ -87,8 +88,6 @@ def unstable_read(
     ``__consumer_offsets`` partition and the remedy. ``None`` if the plain read fails
     too (Kafka is unreachable or slow: a different problem, reported as it was)."""
     from confluent_kafka import Consumer, KafkaException, TopicPartition
-
-    from blockagg.aggregator.kafka.fencing import TRANSACTION_TIMEOUT_MS
 
     settings = {k: v for k, v in config.items() if k != "isolation.level"}
     settings.update({"group.id": group, "enable.auto.commit": False,

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.core.metadata import incarnation_of
 from blockagg.aggregator.kafka.exceptions import KafkaAdapterError
 

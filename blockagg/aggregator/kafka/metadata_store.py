@@ -14,39 +14,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.core.model import Committed
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.aggregator.kafka.errors import error_of, is_retriable
 from blockagg.aggregator.kafka.exceptions import (
     CommittedReadError,
     MetadataCommitError,
     OffsetMetadataTooLarge,
 )
+from blockagg.aggregator.kafka.fencing import FencedAttempt, IdleProducers
 from blockagg.aggregator.kafka.hanging import Diagnose, read_or_diagnose
-
-RETRIABLE_CODES: Final = frozenset(
-    {
-        KafkaError.REQUEST_TIMED_OUT,
-        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-        KafkaError.COORDINATOR_NOT_AVAILABLE,
-        KafkaError.NOT_COORDINATOR,
-        KafkaError._TIMED_OUT,
-        KafkaError._TRANSPORT,
-        KafkaError._WAIT_COORD,
-    }
-)
-"""Codes retried even when librdkafka does not flag them retriable."""
+from blockagg.exceptions import ConfigError
 
 _NO_OFFSET: Final = 0
 
 log = logs.get("metadata")
-
-if TYPE_CHECKING:
-    from blockagg.aggregator.kafka.fencing import FencedAttempt, IdleProducers
 
 R = TypeVar("R")
 
@@ -61,16 +47,6 @@ class OffsetsConsumer(Protocol):
     def close(self) -> None: ...
 
     def consumer_group_metadata(self) -> Any: ...
-
-
-def _is_retriable(error: KafkaError) -> bool:
-    return bool(error.retriable()) or error.code() in RETRIABLE_CODES
-
-
-def _error_of(exc: BaseException) -> KafkaError | None:
-    if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
-        return exc.args[0]
-    return None
 
 
 class KafkaMetadataStore:
@@ -134,8 +110,8 @@ class KafkaMetadataStore:
             try:
                 return attempt()
             except KafkaException as exc:
-                error = _error_of(exc)
-                if error is None or not _is_retriable(error) or tries == self._retries:
+                error = error_of(exc)
+                if error is None or not is_retriable(error) or tries == self._retries:
                     raise
                 wait.note(attempt=tries + 1, attempts=self._retries + 1, error=error.str())
                 self._sleep(delay)
@@ -182,7 +158,7 @@ class KafkaMetadataStore:
             self._retrying(attempt, f"the commit of offset {offset} of {topic}[{partition}] in "
                                     f"group {self.group_id!r} (Kafka does not answer)")
         except KafkaException as exc:
-            error = _error_of(exc)
+            error = error_of(exc)
             if error is not None and error.code() == KafkaError.OFFSET_METADATA_TOO_LARGE:
                 raise OffsetMetadataTooLarge(
                     f"the broker rejected the metadata of {topic}[{partition}] "
@@ -205,8 +181,6 @@ class KafkaMetadataStore:
         """Open a fenced attempt at the partition (``fencing.FencedAttempt``): every
         older attempt's commits and inserts are refused from now on. The partition's
         producer is kept between attempts in this process (``fencing.IdleProducers``)."""
-        from blockagg.aggregator.kafka.fencing import FencedAttempt, IdleProducers
-
         if self._idle_producers is None:
             self._idle_producers = IdleProducers()
         return FencedAttempt(self, topic, partition, idle=self._idle_producers)

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.kafka.exceptions import (
     ClaimRaced,
     OwnershipStoreError,

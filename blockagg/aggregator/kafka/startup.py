@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.kafka.exceptions import KafkaUnreachable, TopicMissing
 
 DEFAULT_TIMEOUT = 6.0

@@ -12,10 +12,10 @@ import pytest
 from google.protobuf.descriptor import Descriptor
 
 from blockagg.aggregator.clickhouse.exceptions import DedupNotConfigured
-from blockagg.aggregator.clickhouse.rows import Column, decode_messages, make_plan
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import message_class
+from blockagg.rows.columns import Column, decode_messages, make_plan
 
 chdb = pytest.importorskip("chdb")
 

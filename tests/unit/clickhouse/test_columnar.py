@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor
 
-from blockagg.aggregator.clickhouse.native import NATIVE_COLUMNS, NativeBlock
-from blockagg.aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
+from blockagg.aggregator.clickhouse.native import NativeBlock
 from blockagg.aggregator.clickhouse.writer import (
     ClickHouseBlockWriter,
     Replica,
@@ -23,6 +22,8 @@ from blockagg.aggregator.clickhouse.writer import (
 )
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import message_class
+from blockagg.rows.columns import Column, Rows, decode_messages, make_plan
+from blockagg.rows.layout import NATIVE_COLUMNS
 
 pytestmark = pytest.mark.skipif(not numpy_inserts_available(),
                                 reason="clickhouse-driver's numpy extras (pandas) missing")

@@ -2,14 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from blockagg.aggregator.clickhouse.deadletter_rate import (
+from blockagg.exceptions import BlockaggError, ConfigError
+from blockagg.rows.deadletter_rate import (
     RateThreshold,
     RateWindow,
     check_rate,
     exceeds,
 )
-from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.exceptions import BlockaggError, ConfigError
+from blockagg.rows.exceptions import DeadLetterRateExceeded
 
 
 @pytest.mark.parametrize(("dead", "total", "max_rate", "min_messages", "over"), [

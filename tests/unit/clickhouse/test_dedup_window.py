@@ -22,7 +22,6 @@ from blockagg.aggregator.clickhouse.dedup_window import (
     shard_partitions,
 )
 from blockagg.aggregator.clickhouse.exceptions import DedupWindowTooSmall
-from blockagg.aggregator.config import Replica, loads
 from blockagg.aggregator.core.blocks import form_blocks
 from blockagg.aggregator.core.exceptions import BatchRefused, TooManyBlocks
 from blockagg.aggregator.core.model import (
@@ -33,6 +32,7 @@ from blockagg.aggregator.core.model import (
     Thresholds,
 )
 from blockagg.aggregator.core.protocol import plan_batch
+from blockagg.config import Replica, loads
 from tests.unit.core.fakes import (
     DedupSink,
     MemoryMetadataStore,

@@ -5,15 +5,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
-from blockagg.aggregator.clickhouse.dlq_topic import (
-    DeadLetterPublishFailed,
+from blockagg.aggregator.core.model import Batch, Block
+from blockagg.aggregator.kafka.dlq_topic import (
     DeadLetterTopic,
     DeadLetterTopicSink,
     dlq_headers,
     dlq_key,
 )
-from blockagg.aggregator.core.model import Batch, Block
+from blockagg.aggregator.kafka.exceptions import DeadLetterPublishFailed
+from blockagg.rows.deadletters import make_dead_letter
 
 
 class FakeProducer:

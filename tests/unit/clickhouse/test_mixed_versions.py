@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
-from blockagg.aggregator.clickhouse.rows import Column
-from blockagg.aggregator.clickhouse.types import default_value, parse_type, zero_value
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows.columns import Column
+from blockagg.rows.prepare import Message, Plans, prepare
+from blockagg.rows.types import default_value, parse_type, zero_value
 
 T0 = 1_700_000_000_000
 PROTO = ('syntax = "proto3"; package mv;\n'
@@ -118,7 +118,7 @@ def test_default_values(ch: str, kind: str, expr: str, value: Any, exact: bool) 
 
 
 def test_zero_of_unknown_type_is_refused() -> None:
-    from blockagg.aggregator.clickhouse.types import CHType
+    from blockagg.rows.types import CHType
 
     with pytest.raises(Exception, match="no default value"):
         zero_value(CHType("Nothing"))

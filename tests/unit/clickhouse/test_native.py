@@ -19,16 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockagg.aggregator.clickhouse.exceptions import ClickHouseError
-from blockagg.aggregator.clickhouse.native import (
-    EnumColumn,
-    ListColumn,
-    NativeBlock,
-    StringColumn,
-    concat,
-    encode_column,
-    native_type_ok,
-)
-from blockagg.aggregator.clickhouse.types import INT_RANGES, NUMPY_DTYPES, parse_type
+from blockagg.aggregator.clickhouse.native import NativeBlock, concat, encode_column, native_type_ok
+from blockagg.rows.layout import EnumColumn, ListColumn, StringColumn
+from blockagg.rows.types import INT_RANGES, NUMPY_DTYPES, parse_type
 
 
 class ServerInfo:

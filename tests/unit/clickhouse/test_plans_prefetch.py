@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from blockagg.aggregator.clickhouse.exceptions import TableNotFound
-from blockagg.aggregator.clickhouse.prepare import Plans, prepare_envelopes
-from blockagg.aggregator.clickhouse.rows import Column
 from blockagg.proto.descriptors import compile_proto
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows.columns import Column
+from blockagg.rows.prepare import Plans, prepare_envelopes
 from tests.unit.clickhouse.test_prepare_pins import V1_COLUMNS, Live, encode
 from tests.unit.clickhouse.test_writer import COLUMNS, make_writer
 

@@ -5,12 +5,12 @@ from typing import Any
 import numpy as np
 from google.protobuf.descriptor import Descriptor
 
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
-from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
-from blockagg.aggregator.clickhouse.rows import Column, Rows
 from blockagg.proto.descriptors import message_class
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows.columns import Column, Rows
+from blockagg.rows.deadletters import DeadLetter
+from blockagg.rows.prepare import Message, Plans, prepare
 
 
 def test_prepare_routes_and_dead_letters(sample: Descriptor, sample_fds: bytes) -> None:

@@ -14,21 +14,21 @@ from google.protobuf.descriptor import Descriptor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
-from blockagg.aggregator.clickhouse.prepare import (
-    Message,
-    Plans,
-    Prepared,
-    prepare,
-    prepare_envelopes,
-)
-from blockagg.aggregator.clickhouse.rows import Column, Payloads, Rows
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Thresholds
 from blockagg.aggregator.core.protocol import plan_batch
 from blockagg.proto.descriptors import message_class
 from blockagg.proto.envelope import make_envelope, parse_envelope, parse_envelopes
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows.columns import Column, Payloads, Rows
+from blockagg.rows.deadletters import DeadLetter
+from blockagg.rows.prepare import (
+    Message,
+    Plans,
+    Prepared,
+    prepare,
+    prepare_envelopes,
+)
 
 LIVE = {"db.a": [Column("a", "UInt8"), Column("b", "String")],
         "db.b": [Column("a", "Int64"), Column("b", "String"),

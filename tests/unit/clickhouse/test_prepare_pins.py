@@ -10,20 +10,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
 from blockagg.aggregator.clickhouse.exceptions import (
     ClickHouseError,
-    ColumnsChanged,
     TableNotFound,
 )
-from blockagg.aggregator.clickhouse.prepare import Message, Plans, needs_newer, prepare
-from blockagg.aggregator.clickhouse.rows import Column, Rows
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.metadata import DedupMode, Pins
 from blockagg.aggregator.core.model import Batch, Block
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows.columns import Column, Rows
+from blockagg.rows.deadletters import DeadLetter
+from blockagg.rows.exceptions import ColumnsChanged
+from blockagg.rows.prepare import Message, Plans, needs_newer, prepare
 from tests.unit.clickhouse.test_writer import make_writer
 
 T0 = 1_700_000_000_000
@@ -150,7 +150,7 @@ def test_needs_newer_names_what_a_snapshot_cannot_decide(fds: bytes) -> None:
 
 
 def dedup_batch(mode: int) -> tuple[Batch, Block]:
-    from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
+    from blockagg.rows.deadletters import make_dead_letter
 
     dead = make_dead_letter("top", 0, 5, T0, b"x", "envelope does not decode")
     batch = Batch("top", 0, 5, 6, np.array([5]), np.array([0]), np.array([1]), np.array([1]),

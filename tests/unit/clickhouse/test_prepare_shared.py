@@ -19,10 +19,6 @@ from google.protobuf.descriptor import Descriptor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockagg.aggregator.clickhouse import rows as rows_module
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
-from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare, prepare_envelopes
-from blockagg.aggregator.clickhouse.rows import Column, Payloads, Rows
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Thresholds
 from blockagg.aggregator.core.protocol import plan_batch
@@ -30,6 +26,10 @@ from blockagg.proto.decode import decode_in_place
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.rows import columns as rows_module
+from blockagg.rows.columns import Column, Payloads, Rows
+from blockagg.rows.deadletters import DeadLetter
+from blockagg.rows.prepare import Message, Plans, prepare, prepare_envelopes
 
 SMALL = [Column("a", "UInt8"), Column("b", "String")]
 WIDE = [Column("a", "Int64"), Column("b", "String"), Column("_offset", "UInt64"),

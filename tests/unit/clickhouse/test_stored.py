@@ -13,15 +13,7 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor
 
-from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
 from blockagg.aggregator.clickhouse.exceptions import CoordinatesInUse, ReplayAcrossAlter
-from blockagg.aggregator.clickhouse.rows import (
-    Column,
-    decode_messages,
-    make_plan,
-    match_columns,
-    with_incarnation,
-)
 from blockagg.aggregator.clickhouse.stored import (
     StoredRange,
     coordinates_in_use_error,
@@ -37,6 +29,14 @@ from blockagg.aggregator.clickhouse.structure import (
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, DedupMode, Pins, encode
 from blockagg.aggregator.core.model import Batch, Block, Committed, block_token
 from blockagg.proto.descriptors import message_class
+from blockagg.rows.columns import (
+    Column,
+    decode_messages,
+    make_plan,
+    match_columns,
+    with_incarnation,
+)
+from blockagg.rows.deadletters import make_dead_letter
 from tests.unit.clickhouse.test_structure import Replicas, ZooKeeper
 from tests.unit.clickhouse.test_writer import make_writer
 
@@ -259,8 +259,8 @@ class Components:
 
 def test_the_start_check_runs_only_when_a_partition_starts_without_a_commit(
         sample: Descriptor) -> None:
-    from blockagg.aggregator.config import loads
     from blockagg.aggregator.core.metadata import Metadata
+    from blockagg.config import loads
     from blockagg.spark.components import StaticRegistry
     from blockagg.spark.task import refuse_stored_coordinates
 
@@ -303,10 +303,10 @@ def test_plans_of_a_recorded_version_fill_the_column_the_live_table_gained(
         tmp_path: Any) -> None:
     """Through :class:`Plans` and :func:`prepare`: a version recorded without
     ``_incarnation`` inserts it once the live table has it, and not after it is gone."""
-    from blockagg.aggregator.clickhouse.prepare import Message, Plans, prepare
     from blockagg.proto.descriptors import compile_proto, load_descriptor
     from blockagg.proto.envelope import make_envelope
     from blockagg.proto.registry import MemoryStore, Registry, register
+    from blockagg.rows.prepare import Message, Plans, prepare
 
     path = tmp_path / "v.proto"
     path.write_text('syntax = "proto3"; package inc;\nmessage V1 { int32 a = 1; }\n')

@@ -12,20 +12,15 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor
 
-from blockagg.aggregator.clickhouse.native import (
-    NATIVE_COLUMNS,
-    EnumColumn,
-    ListColumn,
-    StringColumn,
-)
-from blockagg.aggregator.clickhouse.types import (
+from blockagg.proto.decode import decode_rows
+from blockagg.proto.descriptors import message_class
+from blockagg.rows.layout import NATIVE_COLUMNS, EnumColumn, ListColumn, StringColumn
+from blockagg.rows.types import (
     convert_array,
     convert_column,
     field_mismatch,
     parse_type,
 )
-from blockagg.proto.decode import decode_rows
-from blockagg.proto.descriptors import message_class
 
 
 def convert(sample: Descriptor, ch: str, field: str, msgs: list[dict[str, Any]]

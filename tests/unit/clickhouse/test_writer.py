@@ -10,7 +10,6 @@ import pytest
 from clickhouse_driver import errors as ch_errors
 from google.protobuf.descriptor import Descriptor
 
-from blockagg.aggregator.clickhouse.deadletters import make_dead_letter
 from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
 from blockagg.aggregator.clickhouse.exceptions import (
     AlterNotApplied,
@@ -22,7 +21,6 @@ from blockagg.aggregator.clickhouse.exceptions import (
     QuorumUnsatisfied,
     TableNotFound,
 )
-from blockagg.aggregator.clickhouse.rows import Column, Rows, decode_messages, make_plan
 from blockagg.aggregator.clickhouse.writer import (
     ClickHouseBlockWriter,
     Replica,
@@ -34,6 +32,8 @@ from blockagg.aggregator.clickhouse.writer import (
 )
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import message_class
+from blockagg.rows.columns import Column, Rows, decode_messages, make_plan
+from blockagg.rows.deadletters import make_dead_letter
 
 
 class FakeClient:
@@ -484,10 +484,10 @@ def test_tls_settings_reach_every_connection_the_job_opens() -> None:
         Replica,
         WriterConfig,
         default_client_factory,
-        tls_arguments,
     )
-    from blockagg.aggregator.config import loads
+    from blockagg.config import loads
     from blockagg.spark.components import make_writer
+    from blockagg.tls import tls_arguments
 
     assert tls_arguments(False, True, "/ca.pem") == {}
     tls = tls_arguments(True, False, "/ca.pem")

@@ -15,8 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockagg.aggregator.config import loads
-from blockagg.aggregator.exceptions import ConfigError
 from blockagg.aggregator.kafka import durability
 from blockagg.aggregator.kafka.durability import (
     OPT_OUT,
@@ -26,6 +24,8 @@ from blockagg.aggregator.kafka.durability import (
     described,
 )
 from blockagg.aggregator.kafka.exceptions import KafkaAdapterError, UnsafeKafkaDurability
+from blockagg.config import loads
+from blockagg.exceptions import ConfigError
 from blockagg.spark import preflight
 
 BROKER_DEFAULTS = {"min.insync.replicas": "1", "unclean.leader.election.enable": "false",

@@ -11,9 +11,9 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 
 from blockagg.aggregator.core.exceptions import MetadataTooLarge
-from blockagg.aggregator.exceptions import ConfigError
 from blockagg.aggregator.kafka.exceptions import MetadataCommitError, OffsetMetadataTooLarge
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
+from blockagg.exceptions import ConfigError
 
 
 class ScriptedConsumer:

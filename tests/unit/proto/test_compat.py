@@ -15,13 +15,13 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from blockagg.aggregator.clickhouse.rows import Column
-from blockagg.aggregator.clickhouse.types import convert_column, field_mismatch, parse_type
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.exceptions import BlockaggError
 from blockagg.proto.compat import DEFAULT_MODE, Direction, Mode, check, differences, parse_mode
 from blockagg.proto.decode import decode_rows
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.exceptions import UnknownMode
+from blockagg.rows.columns import Column
+from blockagg.rows.types import convert_column, field_mismatch, parse_type
 
 Compile = Callable[..., dict[str, Descriptor]]
 _counter = itertools.count()

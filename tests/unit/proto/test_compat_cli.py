@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from blockagg.aggregator.clickhouse.rows import Column
 from blockagg.proto.cli import Context, cli
 from blockagg.proto.compat import Mode
 from blockagg.proto.exceptions import CompatibilityError, IncompatibleSchema
 from blockagg.proto.registry import MemoryStore, Registration, Registry, register, set_compatibility
+from blockagg.rows.columns import Column
 
 COLUMNS = [Column("a", "Int32"), Column("b", "Int32"), Column("_offset", "UInt64")]
 WITH_C = [*COLUMNS, Column("c", "String", "DEFAULT", "''")]

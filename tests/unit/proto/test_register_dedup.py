@@ -10,9 +10,9 @@ from typing import Any
 
 from click.testing import CliRunner
 
-from blockagg.aggregator.clickhouse.rows import Column
 from blockagg.proto.cli import Context, cli
 from blockagg.proto.registry import MemoryStore
+from blockagg.rows.columns import Column
 
 COLUMNS = [Column("a", "Int32"), Column("_offset", "UInt64")]
 REASON = ("table db.t uses MergeTree, which does not deduplicate inserts; use "

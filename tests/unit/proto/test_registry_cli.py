@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from blockagg.aggregator.clickhouse.rows import Column
 from blockagg.proto.cli import Context, cli
 from blockagg.proto.compat import Mode
 from blockagg.proto.exceptions import UnknownTable, UnknownVersion
 from blockagg.proto.registry import MemoryStore, Registration, Registry, SchemaVersion, register
+from blockagg.rows.columns import Column
 
 SAMPLE = Path(__file__).with_name("sample.proto")
 
@@ -122,7 +122,7 @@ def test_a_ca_file_that_is_not_there_is_a_usage_error_naming_the_option(tmp_path
 
 
 def test_the_default_endpoint_follows_tls(monkeypatch: pytest.MonkeyPatch) -> None:
-    from blockagg.aggregator.clickhouse.cli_tls import default_endpoint
+    from blockagg.cli_tls import default_endpoint
 
     monkeypatch.setenv("BLOCKAGG_CH_HOST", "ch")
     monkeypatch.setenv("BLOCKAGG_CH_PORTS", "19000,19100")

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from blockagg.aggregator.clickhouse.rows import Column
 from blockagg.proto.compat import Mode
 from blockagg.proto.descriptors import compile_proto
 from blockagg.proto.exceptions import RegistryError, UnknownVersion
@@ -22,6 +21,7 @@ from blockagg.proto.registry import (
     registry_pin,
     set_compatibility,
 )
+from blockagg.rows.columns import Column
 
 T0 = 1_700_000_000_000
 COLUMNS = [Column("a", "Int32"), Column("b", "String", "DEFAULT", "''")]

@@ -11,7 +11,7 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from blockagg.aggregator.config import loads
+from blockagg.config import loads
 from blockagg.spark.driver import Driver
 from blockagg.spark.exceptions import BatchTimedOut
 from blockagg.spark.offsets import PlannedRange

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 from unittest.mock import MagicMock
 
-from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.config import loads
+from blockagg.config import loads
+from blockagg.rows.exceptions import DeadLetterRateExceeded
 from blockagg.spark.driver import BatchSummary, Driver
 
 CONFIG = """

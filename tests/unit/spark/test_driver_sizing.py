@@ -11,7 +11,7 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from blockagg.aggregator.config import loads
+from blockagg.config import loads
 from blockagg.spark.driver import BatchSummary, Driver
 from blockagg.spark.exceptions import StoppedBeforeBatch
 from blockagg.spark.sizing import CALIBRATION_BATCHES

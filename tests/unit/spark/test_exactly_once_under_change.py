@@ -31,14 +31,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockagg.aggregator.clickhouse.exceptions import ClickHouseError, TableNotFound
-from blockagg.aggregator.clickhouse.rows import Column
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
-from blockagg.aggregator.config import loads
 from blockagg.aggregator.core.metadata import decode, is_blockagg
 from blockagg.aggregator.core.model import Batch, Block, Committed
+from blockagg.config import loads
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, Registry, RegistryCache, register
+from blockagg.rows.columns import Column
 from blockagg.spark import components, task
 from blockagg.spark.offsets import PlannedRange
 from blockagg.spark.task import TaskContext, run_range

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from blockagg.aggregator.core.model import Committed
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.exceptions import ConfigError
 from blockagg.spark.idle import IdleRefresher, check_idle_interval
 
 

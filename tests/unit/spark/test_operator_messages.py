@@ -12,15 +12,15 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from blockagg.aggregator import logs
+from blockagg import logs
 from blockagg.aggregator.clickhouse.startup import (
     DEAD_LETTER_TYPES,
     ReplicaCheck,
     dead_letter_problems,
     server_message,
 )
-from blockagg.aggregator.config import loads
-from blockagg.aggregator.exceptions import BlockaggError
+from blockagg.config import loads
+from blockagg.exceptions import BlockaggError
 from blockagg.spark.driver import (
     BatchSummary,
     Driver,

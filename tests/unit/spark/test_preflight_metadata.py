@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockagg.aggregator.config import loads
 from blockagg.aggregator.core.metadata import (
     BlockRange,
     DedupMode,
@@ -22,6 +21,7 @@ from blockagg.aggregator.core.metadata import (
     worst_case_length,
 )
 from blockagg.aggregator.kafka.exceptions import MetadataBudgetTooSmall
+from blockagg.config import loads
 from blockagg.spark.preflight import check_metadata_budget
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from blockagg.aggregator.config import loads
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.config import loads
+from blockagg.exceptions import ConfigError
 from blockagg.spark.metrics import JobMetrics
 from blockagg.spark.preflight import (
     ConnectorMissing,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from blockagg.aggregator.clickhouse.exceptions import DedupWindowTooSmall
-from blockagg.aggregator.config import loads
 from blockagg.aggregator.core.model import Batch, BlockShare
+from blockagg.config import loads
 from blockagg.spark import components, task
 from tests.unit.clickhouse.test_writer import ALLOWED, _check_script, make_writer
 

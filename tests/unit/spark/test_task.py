@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
-from blockagg.aggregator.config import loads
 from blockagg.aggregator.core.model import Batch, Block, Committed
+from blockagg.config import loads
 from blockagg.proto.envelope import make_envelope
+from blockagg.rows.deadletters import DeadLetter
 from blockagg.spark.components import StaticRegistry
 from blockagg.spark.exceptions import TaskContractError
 from blockagg.spark.offsets import PlannedRange

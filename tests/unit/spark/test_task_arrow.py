@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
 from blockagg.aggregator.core.model import Batch, Block
 from blockagg.proto.envelope import make_envelope
+from blockagg.rows.deadletters import DeadLetter
 from blockagg.spark.exceptions import TaskContractError
 from blockagg.spark.offsets import PlannedRange
 from blockagg.spark.task import REPORT_SCHEMA, run_arrow_partition, run_partition

@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
-from blockagg.aggregator.clickhouse.rows import Column, Rows
-from blockagg.aggregator.config import loads
 from blockagg.aggregator.core.exceptions import TopicIncarnationChanged
 from blockagg.aggregator.core.metadata import DedupMode, Pins, decode
 from blockagg.aggregator.core.model import Batch, Block, Committed
+from blockagg.config import loads
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
 from blockagg.proto.registry import MemoryStore, RegistryCache, register, registry_pin
+from blockagg.rows.columns import Column, Rows
+from blockagg.rows.deadletters import DeadLetter
 from blockagg.spark import components, task
 from blockagg.spark.offsets import PlannedRange
 from blockagg.spark.task import TaskContext, run_range

@@ -45,7 +45,7 @@ def test_usage_errors_exit_2(args: list[str], message: str) -> None:
 def test_metrics_port_without_a_value_is_not_the_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 26: ``arv verify --follow --metrics-port`` beside the job on one host must
     not take the job's default metrics port (``[metrics] port`` = 9464)."""
-    from blockagg.aggregator.config import MetricsConfig
+    from blockagg.config import MetricsConfig
     from blockagg.verifier import cli as cli_module
 
     ports: list[object] = []

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.exceptions import ConfigError
 
 __all__ = [
     "BlocksConfig",

@@ -26,17 +26,13 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from blockagg.aggregator import logs
-from blockagg.aggregator.clickhouse.deadletters import DeadLetter
-from blockagg.aggregator.clickhouse.exceptions import ClickHouseError
+from blockagg import logs
 from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
 from blockagg.aggregator.core.model import Batch, Block, BlockSink
+from blockagg.aggregator.kafka.exceptions import DeadLetterPublishFailed
+from blockagg.rows.deadletters import DeadLetter
 
 log = logging.getLogger(__name__)
-
-
-class DeadLetterPublishFailed(ClickHouseError):
-    """The dead-letter topic did not acknowledge a copy of a dead letter."""
 
 
 class Producer(Protocol):

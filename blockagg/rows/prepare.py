@@ -23,9 +23,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from blockagg.aggregator.clickhouse.deadletters import DEFAULT_TABLE, DeadLetter, make_dead_letter
-from blockagg.aggregator.clickhouse.exceptions import ColumnsChanged
-from blockagg.aggregator.clickhouse.rows import (
+from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
+from blockagg.exceptions import BlockaggError
+from blockagg.proto.envelope import (
+    LATEST,
+    Envelopes,
+    Parsed,
+    Rejected,
+    parse_envelope,
+    parse_envelopes,
+)
+from blockagg.proto.exceptions import ProtoError
+from blockagg.proto.registry import Registration, Registry, SchemaVersion
+from blockagg.rows.columns import (
     WRITER_COLUMNS,
     Column,
     ColumnSet,
@@ -37,18 +47,8 @@ from blockagg.aggregator.clickhouse.rows import (
     make_plan,
     with_incarnation,
 )
-from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID
-from blockagg.aggregator.exceptions import BlockaggError
-from blockagg.proto.envelope import (
-    LATEST,
-    Envelopes,
-    Parsed,
-    Rejected,
-    parse_envelope,
-    parse_envelopes,
-)
-from blockagg.proto.exceptions import ProtoError
-from blockagg.proto.registry import Registration, Registry, SchemaVersion
+from blockagg.rows.deadletters import DEFAULT_TABLE, DeadLetter, make_dead_letter
+from blockagg.rows.exceptions import ColumnsChanged
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ def prepare(topic: str, partition: int, messages: Sequence[Message], plans: Plan
             dead_letter_table: str = DEFAULT_TABLE, columnar: bool = True,
             parsed: Sequence[Parsed | Rejected] | None = None) -> Prepared:
     """Classify and decode ``messages`` (in offset order). ``columnar`` (default)
-    converts to numpy columns where it can (:func:`~aggregator.clickhouse.rows.
+    converts to numpy columns where it can (:func:`~blockagg.rows.columns.
     decode_messages`); False is the previous per-value path, same values.
     ``parsed``: the messages' envelopes, when the caller parsed them already.
 
@@ -398,7 +398,7 @@ def prepare_envelopes(topic: str, partition: int,
     ``envelopes`` when the caller has them) and the registry consulted once per
     (table, version) rather than per message: the same decisions, dead-letter
     reasons, payloads and tables, without a Python object per message: the payloads
-    are :class:`~aggregator.clickhouse.rows.Payloads` (each (table, version)'s
+    are :class:`~blockagg.rows.columns.Payloads` (each (table, version)'s
     columns and every message's range of rows in them; dead letters only are
     objects)."""
     n = len(values)

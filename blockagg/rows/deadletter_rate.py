@@ -18,9 +18,9 @@ from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from blockagg.aggregator.clickhouse.deadletters import DEFAULT_TABLE
-from blockagg.aggregator.clickhouse.exceptions import DeadLetterRateExceeded
-from blockagg.aggregator.exceptions import ConfigError
+from blockagg.exceptions import ConfigError
+from blockagg.rows.deadletters import DEFAULT_TABLE
+from blockagg.rows.exceptions import DeadLetterRateExceeded
 
 TOP_REASONS = 3
 

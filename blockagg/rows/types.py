@@ -55,8 +55,9 @@ import numpy.typing as npt
 import pyarrow as pa
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from blockagg.aggregator.clickhouse.exceptions import TypeParseError
 from blockagg.proto.descriptors import is_repeated
+from blockagg.rows.exceptions import TypeParseError
+from blockagg.rows.layout import EnumColumn, ListColumn, StringColumn
 
 _T = FieldDescriptor
 
@@ -286,7 +287,7 @@ class Converted:
 
     ``values`` is a list (:func:`convert_column`) or, from :func:`convert_array` where
     a vectorised rule applies, a numpy array or a column of
-    :mod:`aggregator.clickhouse.native` (String, Enum, Array) whose ``tolist()``
+    :mod:`blockagg.rows.layout` (String, Enum, Array) whose ``tolist()``
     equals that list."""
 
     values: Any
@@ -311,13 +312,13 @@ seconds since the epoch, as clickhouse-driver's numpy mode writes integers)."""
 
 _VecConv = Callable[[pa.Array], tuple[Any, npt.NDArray[np.bool_]]]
 """A vectorised conversion: (values, bad rows). Values are a numpy array or one of
-:mod:`aggregator.clickhouse.native`'s columns (String, Enum, Array)."""
+:mod:`blockagg.rows.layout`'s columns (String, Enum, Array)."""
 
 
 def convert_array(ch: CHType, fd: FieldDescriptor, column: pa.Array) -> Converted:
     """:func:`convert_column` without a Python object per value where a vectorised
     rule exists: the values come back as a numpy array (typed: integers, floats,
-    DateTime) or a column in Native layout (:mod:`aggregator.clickhouse.native`:
+    DateTime) or a column in Native layout (:mod:`blockagg.rows.layout`:
     String, Enum, Array) whose ``tolist()`` is exactly :func:`convert_column`'s list for every
     row that converts, and ``errors`` has exactly the same rows and reasons (a bad
     row's reason is computed by :func:`convert_column` on that row alone). Types and
@@ -363,8 +364,6 @@ def _vector_scalar(ch: CHType, fd: FieldDescriptor) -> _VecConv | None:
             return arr, np.zeros(len(arr), dtype=np.bool_)
         return floats
     if name == "String" and t in (_T.TYPE_STRING, _T.TYPE_BYTES):
-        from blockagg.aggregator.clickhouse.native import StringColumn
-
         def strings(column: pa.Array) -> tuple[Any, npt.NDArray[np.bool_]]:
             return StringColumn.from_arrow(column), np.zeros(len(column), dtype=np.bool_)
         return strings
@@ -432,10 +431,8 @@ def _vector_datetime(timestamp: bool) -> _VecConv:
 def _vector_lookup(keys: npt.NDArray[np.int64], names: list[str | None],
                    ch: CHType) -> _VecConv:
     """Integers to names of enum column ``ch`` through sorted ``keys``, as a
-    :class:`~aggregator.clickhouse.native.EnumColumn`; a key without a name (None),
+    :class:`~blockagg.rows.layout.EnumColumn`; a key without a name (None),
     or a number not in ``keys``, is a bad row."""
-    from blockagg.aggregator.clickhouse.native import EnumColumn
-
     table = (*names, None)
     numbers = np.array([ch.enum[n] if n is not None else 0 for n in table], dtype=np.int64)
     named = np.array([n is not None for n in table], dtype=np.bool_)
@@ -453,10 +450,8 @@ def _vector_lookup(keys: npt.NDArray[np.int64], names: list[str | None],
 
 
 def _vector_array(element: _VecConv) -> _VecConv:
-    """Lists as a :class:`~aggregator.clickhouse.native.ListColumn`: the rows'
+    """Lists as a :class:`~blockagg.rows.layout.ListColumn`: the rows'
     offsets into the converted flat values (no Python list per row)."""
-    from blockagg.aggregator.clickhouse.native import ListColumn
-
     def arrays(column: pa.Array) -> tuple[Any, npt.NDArray[np.bool_]]:
         n = len(column)
         offsets = column.offsets.to_numpy(zero_copy_only=False).astype(np.int64)

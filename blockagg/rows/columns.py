@@ -32,15 +32,15 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
-from blockagg.aggregator.clickhouse.types import (
+from blockagg.proto.decode import PAD, Decoded, decode_in_place, decode_ranges, decode_rows
+from blockagg.proto.envelope import Envelopes
+from blockagg.rows.types import (
     CHType,
     convert_array,
     convert_column,
     field_mismatch,
     parse_type,
 )
-from blockagg.proto.decode import PAD, Decoded, decode_in_place, decode_ranges, decode_rows
-from blockagg.proto.envelope import Envelopes
 
 I64 = npt.NDArray[np.int64]
 
@@ -116,7 +116,7 @@ def match_columns(descriptor: Descriptor, columns: Sequence[Column]) -> tuple[
     topic, partition, offset and topic incarnation there: a producer's value could
     make two different blocks hash alike, and the re-send check would count rows that
     are not the block's); types must convert
-    (:func:`aggregator.clickhouse.types.field_mismatch`).
+    (:func:`blockagg.rows.types.field_mismatch`).
     """
     fields = {fd.name: fd for fd in descriptor.fields}
     lower: dict[str, list[FieldDescriptor]] = {}
@@ -208,7 +208,7 @@ def with_incarnation(plan: TablePlan, live: Sequence[Column]) -> TablePlan:
 class ColumnSet:
     """Converted columns of many messages' rows: ``values[j][r]`` is column ``j``
     of row ``r`` (coordinate columns are empty; the writer fills them). A column is
-    a list, or a numpy array (:func:`aggregator.clickhouse.types.convert_array`)
+    a list, or a numpy array (:func:`blockagg.rows.types.convert_array`)
     whose ``tolist()`` is that list."""
 
     plan: TablePlan
@@ -234,9 +234,9 @@ def decode_messages(plan: TablePlan, messages: Sequence[Sequence[bytes]],
     for ``plan``. Returns, per message, its :class:`Rows` or the reason it is a dead
     letter (the first failing row's). Pure and deterministic.
 
-    ``columnar`` converts with :func:`~aggregator.clickhouse.types.convert_array`
+    ``columnar`` converts with :func:`~blockagg.rows.types.convert_array`
     (numpy columns where a vectorised rule exists); False keeps the per-value
-    :func:`~aggregator.clickhouse.types.convert_column` lists (the previous path,
+    :func:`~blockagg.rows.types.convert_column` lists (the previous path,
     kept as the benchmark's baseline). Both give the same values and reasons."""
     counts = np.fromiter(map(len, messages), dtype=np.int64, count=len(messages))
     flat: list[bytes] = [row for rows in messages for row in rows]
@@ -279,7 +279,7 @@ def decide_envelopes_many(items: Sequence[tuple[TablePlan, I64]], envelopes: Env
     (:attr:`proto.registry.SchemaVersion.descriptor` is one object per distinct
     schema) and convert the same fields to the same types are decoded in one
     :func:`~proto.decode.decode_in_place` and converted in one
-    :func:`~aggregator.clickhouse.types.convert_array` per column; each item gets a
+    :func:`~blockagg.rows.types.convert_array` per column; each item gets a
     :class:`ColumnSet` of its own plan over those shared columns, its rows a range of
     them.
 

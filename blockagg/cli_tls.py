@@ -1,6 +1,6 @@
 """The ClickHouse TLS flags that ``ba-schema`` and ``arv audit`` share, so both
 commands spell, default and check them alike (the job reads ``[clickhouse] secure /
-verify / ca_certs`` instead; every path ends in ``writer.tls_arguments``)."""
+verify / ca_certs`` instead; every path ends in ``blockagg.tls.tls_arguments``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
 import click
+
+from blockagg.tls import tls_arguments
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,8 +48,6 @@ def default_endpoint(secure: bool) -> str:
 def tls_from_flags(secure: bool, no_verify: bool, ca_certs: str | None) -> dict[str, Any]:
     """clickhouse-driver's TLS arguments for the flags; a CA file that is not there is
     a usage error (checked only with TLS: the stack's env names one either way)."""
-    from blockagg.aggregator.clickhouse.writer import tls_arguments
-
     if secure and ca_certs is not None and not os.path.isfile(ca_certs):
         raise click.BadParameter(f"{ca_certs!r} is not a file",
                                  param_hint="--clickhouse-ca-certs ($BLOCKAGG_CH_CA_CERTS)")
