@@ -197,9 +197,7 @@ def produced_counts(workload: Workload) -> list[dict[str, int]]:
     out = []
     for shard, topic in enumerate(workload.topics):
         want = {t: workload.produced.count_of(t, shard) for t in workload.table_names()}
-        want[workload.dead_letter_table] = (
-            sum(1 for c in workload.produced.dead if c[0] == topic)
-            + sum(n for c, n in workload.produced.kept_dead.items() if c[0] == topic))
+        want[workload.dead_letter_table] = workload.produced.dead_count(topic)
         out.append(want)
     return out
 

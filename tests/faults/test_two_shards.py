@@ -108,3 +108,33 @@ def test_one_job_delivers_each_topic_into_its_shard(tmp_path: Path) -> None:
     config = one.job_config(tmp_path / "one.toml", tmp_path / "c",
                             ["127.0.0.1:1", "127.0.0.1:2"])
     assert [t.name for t in load(config).topics] == ["fx-one1"]
+
+
+def test_the_counts_are_read_while_the_producer_adds() -> None:
+    """The long run's harness died of "Set changed size during iteration": a stream's
+    catch-up wait counted each topic's dead letters while the producing thread added
+    one. Readers iterate snapshots; here a thread adds while the counts are read."""
+    import threading
+
+    from tests.faults.workload import Produced
+
+    produced = Produced()
+    produced.dead.update(("a" if i % 2 else "b", 0, i) for i in range(20_000))
+    stop = threading.Event()
+
+    def produce() -> None:
+        offset = 20_000
+        while not stop.is_set():
+            produced.dead.add(("a", 1, offset))
+            produced.ids.setdefault((offset % 7, f"t{offset}"), []).append(np.zeros(1))
+            offset += 1
+
+    thread = threading.Thread(target=produce, daemon=True)
+    thread.start()
+    try:
+        for _ in range(300):
+            assert produced.dead_count("b") == 10_000
+            produced.ids_of("t1")
+    finally:
+        stop.set()
+        thread.join()

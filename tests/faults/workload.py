@@ -207,7 +207,11 @@ def row_tails(count: int, seed: int) -> list[bytes]:
 class Produced:
     """Ground truth from delivery reports. ``ids`` per ``(shard, table)`` (shard 0 is the
     first; a one-shard run has only 0); dead letters by coordinate, whose topic names
-    the shard."""
+    the shard.
+
+    The producing thread adds to it while other streams' threads read it: readers
+    iterate a snapshot (``tuple`` of a set or dict view is taken in one step under the
+    GIL), never the live container, which raises "changed size during iteration"."""
 
     ids: dict[tuple[int, str], list[np.ndarray[Any, Any]]] = field(default_factory=dict)
     dead: set[tuple[str, int, int]] = field(default_factory=set)
@@ -223,12 +227,18 @@ class Produced:
 
     def ids_of(self, table: str, shard: int | None = None) -> np.ndarray[Any, Any]:
         """The ids of ``table`` produced to ``shard``'s topic (``None``: every shard's)."""
-        parts = [a for (s, t), arrays in self.ids.items()
-                 if t == table and shard in (None, s) for a in arrays]
+        parts = [a for (s, t), arrays in tuple(self.ids.items())
+                 if t == table and shard in (None, s) for a in tuple(arrays)]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
 
     def count_of(self, table: str, shard: int) -> int:
-        return sum(int(a.size) for a in self.ids.get((shard, table), []))
+        return sum(int(a.size) for a in tuple(self.ids.get((shard, table), [])))
+
+    def dead_count(self, topic: str) -> int:
+        """Dead letters produced to ``topic``, those kept from its earlier incarnations
+        included."""
+        return (sum(1 for c in tuple(self.dead) if c[0] == topic)
+                + sum(n for c, n in tuple(self.kept_dead.items()) if c[0] == topic))
 
 
 def accepted_rows(envelopes: Envelopes) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
