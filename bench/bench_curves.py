@@ -88,14 +88,16 @@ class CurveError(ValueError):
 
 
 def points(curves: Sequence[str] = tuple(CURVES), selected: Sequence[str] = ()) -> list[Point]:
-    """The points of ``curves`` in their order, only those labelled in ``selected``
-    when it is not empty. Unknown names are refused, naming the known ones."""
+    """The points of ``curves`` in their order, only those named in ``selected`` when
+    it is not empty: a label (``10``: that point of every curve that has it) or
+    ``curve=label`` (``rows_per_message=10``: that curve's alone). Unknown names are
+    refused, naming the known ones."""
     out: list[Point] = []
     for curve in curves:
         if curve not in CURVES:
             raise CurveError(f"unknown curve {curve!r}: choose from {', '.join(CURVES)}")
         for label in CURVES[curve]:
-            if selected and label not in selected:
+            if selected and label not in selected and f"{curve}={label}" not in selected:
                 continue
             if curve == "row_width":
                 out.append(Point(curve, label, string_bytes=WIDTHS[label]))
@@ -103,7 +105,8 @@ def points(curves: Sequence[str] = tuple(CURVES), selected: Sequence[str] = ()) 
                 key = {"tables": "tables", "partitions": "partitions",
                        "rows_per_message": "rows_per_message"}[curve]
                 out.append(Point(curve, label, **{key: int(label)}))
-    known = {label for c in curves if c in CURVES for label in CURVES[c]}
+    known = {name for c in curves if c in CURVES for label in CURVES[c]
+             for name in (label, f"{c}={label}")}
     unknown = [s for s in selected if s not in known]
     if unknown:
         raise CurveError(f"unknown points {unknown} for curves {list(curves)}: choose from "
@@ -424,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curve", action="append", choices=list(CURVES),
                     help="a curve to run (repeatable; default: all four)")
     ap.add_argument("--points", default="",
-                    help="comma list of point labels to keep (e.g. 10,1000,1KiB)")
+                    help="comma list of points to keep: labels (10,1000,1KiB) or "
+                    "curve=label (rows_per_message=10)")
     ap.add_argument("--rows", type=int, default=1_000_000,
                     help="rows per point (about 1-3 min a point on a quiet 2-core machine "
                     "but for the 1,000-table point)")

@@ -49,6 +49,12 @@ def test_points_are_the_issues_four_curves() -> None:
 def test_points_selected_and_refused() -> None:
     assert points(["tables", "row_width"], ["10", "1KiB"]) == [
         Point("tables", "10", tables=10), Point("row_width", "1KiB", string_bytes=1024)]
+    assert points(selected=["10"]) == [Point("tables", "10", tables=10),
+                                       Point("rows_per_message", "10", rows_per_message=10)]
+    assert points(selected=["tables=10", "partitions=2"]) == [
+        Point("tables", "10", tables=10), Point("partitions", "2", partitions=2)]
+    with pytest.raises(CurveError, match=r"unknown points \['tables=2'\]"):
+        points(selected=["tables=2"])
     with pytest.raises(CurveError, match="unknown curve 'rows'"):
         points(["rows"])
     with pytest.raises(CurveError, match=r"unknown points \['1KiB'\]"):
