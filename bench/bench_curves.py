@@ -404,8 +404,9 @@ def plot(results: Sequence[PointResult], path: Path) -> None:
                                   ("job_rows_per_s", "job, exactly-once", "o-")):
             ax.plot(xs, [s[key] for s in sums], style, label=label)
         ax.set_xticks(xs, [r.point.label for r in mine])
-        ax.set_ylabel("rows/s")
-        ax.set_ylim(bottom=0)
+        ax.set_ylabel("rows/s (log)")
+        ax.set_yscale("log")  # large blocks run 10-50x the small blocks' figures
+        ax.set_xlim(-0.6, len(mine) - 0.4)
         twin = ax.twinx()
         twin.bar(xs, [s["job_over_same"] for s in sums], width=0.3, alpha=0.25,
                  color="tab:green", label="job / same-blocks limit")
