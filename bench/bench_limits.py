@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from bench.workload import (
     COLUMN_NAMES,
@@ -222,6 +222,31 @@ class PoolColumns:
         return cols
 
 
+PENDING_QUORUM: Final = 286
+"""UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE: 18.16 takes one quorum insert per table at a
+time."""
+
+
+def insert_waiting_for_quorum(send: Callable[[], object], pause_s: float = 0.01,
+                              sleep: Callable[[float], None] = time.sleep) -> int:
+    """``send()`` the insert, sent again after ``pause_s`` each time the server refuses it
+    because the table's previous quorum insert is still pending (code 286): any writer
+    of these blocks waits for that, so the limit does too, at once (the job backs off
+    from 0.2 s instead). Any other error is raised. Returns the waits."""
+    from clickhouse_driver.errors import ServerException
+
+    waits = 0
+    while True:
+        try:
+            send()
+            return waits
+        except ServerException as exc:
+            if exc.code != PENDING_QUORUM:
+                raise
+            waits += 1
+            sleep(pause_s)
+
+
 def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str,
                           max_rows: int, lanes: int, quorum: int, servers: Servers,
                           generation: int) -> Result:
@@ -255,23 +280,10 @@ def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str
     waits = [0]
 
     def insert(block: JobBlock) -> None:
-        # 18.16 takes one quorum insert per table at a time (code 286 while the previous
-        # one's quorum is pending): any writer of these blocks waits for it, so this one
-        # retries the identical block at once (the job backs off from 0.2 s instead)
-        from clickhouse_driver.errors import ServerException
-
         cols = pool.block("bench", block)
-        while True:
-            try:
-                connected().execute(
-                    f"INSERT INTO {database}.{names[block.table]} ({columns}) VALUES", cols,
-                    columnar=True, settings=settings)
-                return
-            except ServerException as exc:
-                if exc.code != 286:
-                    raise
-                waits[0] += 1
-                time.sleep(0.01)
+        waits[0] += insert_waiting_for_quorum(lambda: connected().execute(
+            f"INSERT INTO {database}.{names[block.table]} ({columns}) VALUES", cols,
+            columnar=True, settings=settings))
 
     with ThreadPoolExecutor(lanes) as executor:
         # Connect every lane first. Not a warm-up insert: 18.16 refuses a second quorum

@@ -181,3 +181,30 @@ def test_widen_makes_every_name_1_kib_and_keeps_the_rest() -> None:
     again = widen(Rows(100, 2, 10, 2, 1), 1024)
     assert [e.tail for e in again.pool] == [e.tail for e in wide.pool]  # seeded
     assert CURVES["row_width"] == ("narrow", "1KiB")
+
+
+def test_the_same_blocks_limit_waits_out_a_pending_quorum() -> None:
+    """18.16 refuses a quorum insert while the table's previous one is pending (code
+    286); the same-blocks limit sends the block again, as the job does, instead of
+    ending the run (which it did at 10 tables, where 8 lanes share a table)."""
+    from clickhouse_driver.errors import ServerException
+
+    from bench.bench_limits import insert_waiting_for_quorum
+
+    answers: list[Exception | None] = [ServerException("previous write", code=286),
+                                       ServerException("previous write", code=286), None]
+    pauses: list[float] = []
+
+    def send() -> None:
+        answer = answers.pop(0)
+        if answer is not None:
+            raise answer
+
+    assert insert_waiting_for_quorum(send, 0.01, pauses.append) == 2
+    assert pauses == [0.01, 0.01] and not answers
+
+    def refused() -> None:
+        raise ServerException("Table doesn't exist", code=60)
+
+    with pytest.raises(ServerException, match="doesn't exist"):
+        insert_waiting_for_quorum(refused, 0.01, pauses.append)
