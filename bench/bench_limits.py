@@ -42,7 +42,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from bench.workload import (
     COLUMN_NAMES,
@@ -222,6 +222,31 @@ class PoolColumns:
         return cols
 
 
+PENDING_QUORUM: Final = 286
+"""UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE: 18.16 takes one quorum insert per table at a
+time."""
+
+
+def insert_waiting_for_quorum(send: Callable[[], object], pause_s: float = 0.01,
+                              sleep: Callable[[float], None] = time.sleep) -> int:
+    """``send()`` the insert, sent again after ``pause_s`` each time the server refuses it
+    because the table's previous quorum insert is still pending (code 286): any writer
+    of these blocks waits for that, so the limit does too, at once (the job backs off
+    from 0.2 s instead). Any other error is raised. Returns the waits."""
+    from clickhouse_driver.errors import ServerException
+
+    waits = 0
+    while True:
+        try:
+            send()
+            return waits
+        except ServerException as exc:
+            if exc.code != PENDING_QUORUM:
+                raise
+            waits += 1
+            sleep(pause_s)
+
+
 def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str,
                           max_rows: int, lanes: int, quorum: int, servers: Servers,
                           generation: int) -> Result:
@@ -252,9 +277,13 @@ def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str
             client.execute("SELECT 1")
         return client
 
+    waits = [0]
+
     def insert(block: JobBlock) -> None:
-        connected().execute(f"INSERT INTO {database}.{names[block.table]} ({columns}) VALUES",
-                       pool.block("bench", block), columnar=True, settings=settings)
+        cols = pool.block("bench", block)
+        waits[0] += insert_waiting_for_quorum(lambda: connected().execute(
+            f"INSERT INTO {database}.{names[block.table]} ({columns}) VALUES", cols,
+            columnar=True, settings=settings))
 
     with ThreadPoolExecutor(lanes) as executor:
         # Connect every lane first. Not a warm-up insert: 18.16 refuses a second quorum
@@ -271,7 +300,7 @@ def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str
                   rows.encoded_row_bytes,
                   f"{len(blocks)} blocks of {sizes[0] * rows.rows_per_message:,}-"
                   f"{sizes[-1] * rows.rows_per_message:,} rows, {lanes} at a time, "
-                  f"quorum {quorum}, {stored:,} rows stored")
+                  f"quorum {quorum}, {stored:,} rows stored, {waits[0]} quorum waits")
 
 
 def kafka_engine(rows: Rows, client: Any, bootstrap: str, topic: str, database: str,

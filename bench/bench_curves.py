@@ -1,0 +1,479 @@
+"""The curves of issue 28 item 4: ``python -m bench.bench_curves``.
+
+Four curves, each point a workload of ``--rows`` rows (``bench.workload.Rows``):
+
+* ``tables``: 10, 100, 500, 1,000 tables per topic (8 partitions);
+* ``partitions``: 2, 8, 32 partitions (100 tables);
+* ``rows_per_message``: 1, 10, 100 rows per message (100 tables, 8 partitions);
+* ``row_width``: narrow rows vs rows whose ``name`` is a 1 KiB string (100 tables,
+  8 partitions).
+
+Each point is **one run** against the stack the environment points at: the topic is
+produced once, then three contenders are measured ``--repeat`` times, interleaved ABBA
+(``job, same, large`` then ``large, same, job``, so no contender always runs first on
+a machine whose load drifts), each on fresh tables:
+
+* ``job``: the job, exactly-once, as shipped (``bench_e2e``'s run: ``--until-caught-up``,
+  the whole topic one micro-batch, ``--cores`` cores, ``blocks.max_rows`` ``--block-rows``);
+* ``same``: **the same-blocks limit**, the very blocks the job forms inserted raw,
+  ``--same-blocks-lanes`` at a time, with the job's quorum (``bench_limits``);
+* ``large``: **the raw insert of large blocks**, the same rows in blocks of
+  ``--large-block-rows`` (``bench_limits``'s raw insert).
+
+Per point (medians of the repeats): rows/s of each, the job's ratio to both limits,
+the job's CPU seconds per million rows over its processing interval and the cores it
+used there, inserts per batch and rows per block (the job's ``batch`` log lines), the
+metadata of each partition's commit (characters, as the broker counts them against
+``offset.metadata.max.bytes``, and UTF-8 bytes; from the group's committed offsets),
+active parts per table right after the run (``system.parts`` on the first replica,
+before background merges catch up). The verdict: a point whose job runs below 0.8x its
+same-blocks limit names the figure of its wall (:func:`verdict`).
+
+``--json`` keeps every run and the medians; ``--plot`` draws ``docs/bench_curves.png``
+(four panels: rows/s of the three contenders, and the job's ratio to its same-blocks
+limit with the 0.8x line), from that JSON alone with ``--plot-only JSON``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from bench.workload import REPO_ROOT, PoolEntry, Rows, create_tables
+
+CURVES: Final[dict[str, tuple[str, ...]]] = {
+    "tables": ("10", "100", "500", "1000"),
+    "partitions": ("2", "8", "32"),
+    "rows_per_message": ("1", "10", "100"),
+    "row_width": ("narrow", "1KiB"),
+}
+"""Each curve's points, as ``--points`` names them."""
+CONTENDERS: Final = ("job", "same", "large")
+FLOOR: Final = 0.8
+"""A point whose job runs below this fraction of its same-blocks limit must name its wall."""
+WIDTHS: Final = {"narrow": 0, "1KiB": 1024}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One workload of a curve: the others' defaults (100 tables, 8 partitions, 10 rows a
+    message, narrow rows) but for the one the curve varies."""
+
+    curve: str
+    label: str
+    tables: int = 100
+    partitions: int = 8
+    rows_per_message: int = 10
+    string_bytes: int = 0
+
+    @property
+    def x(self) -> int:
+        """The point's abscissa on its curve's panel."""
+        return {"tables": self.tables, "partitions": self.partitions,
+                "rows_per_message": self.rows_per_message,
+                "row_width": self.string_bytes}[self.curve]
+
+
+class CurveError(ValueError):
+    """A curve or point the script does not know (the command line's fault)."""
+
+
+def points(curves: Sequence[str] = tuple(CURVES), selected: Sequence[str] = ()) -> list[Point]:
+    """The points of ``curves`` in their order, only those named in ``selected`` when
+    it is not empty: a label (``10``: that point of every curve that has it) or
+    ``curve=label`` (``rows_per_message=10``: that curve's alone). Unknown names are
+    refused, naming the known ones."""
+    out: list[Point] = []
+    for curve in curves:
+        if curve not in CURVES:
+            raise CurveError(f"unknown curve {curve!r}: choose from {', '.join(CURVES)}")
+        for label in CURVES[curve]:
+            if selected and label not in selected and f"{curve}={label}" not in selected:
+                continue
+            if curve == "row_width":
+                out.append(Point(curve, label, string_bytes=WIDTHS[label]))
+            else:
+                key = {"tables": "tables", "partitions": "partitions",
+                       "rows_per_message": "rows_per_message"}[curve]
+                out.append(Point(curve, label, **{key: int(label)}))
+    known = {name for c in curves if c in CURVES for label in CURVES[c]
+             for name in (label, f"{c}={label}")}
+    unknown = [s for s in selected if s not in known]
+    if unknown:
+        raise CurveError(f"unknown points {unknown} for curves {list(curves)}: choose from "
+                         f"{sorted(known)}")
+    return out
+
+
+def abba(contenders: Sequence[str], repeat: int) -> list[tuple[int, str]]:
+    """``(repeat, contender)`` in run order: forward on even repeats, backward on odd,
+    so over any two repeats each contender has run first and last once."""
+    return [(r, c) for r in range(repeat)
+            for c in (contenders if r % 2 == 0 else list(reversed(contenders)))]
+
+
+def median(xs: Iterable[float]) -> float:
+    """The median (mean of the middle two for an even count); 0.0 of nothing."""
+    values = list(xs)
+    return float(statistics.median(values)) if values else 0.0
+
+
+def verdict(ratio: float, job_cores_used: float, cores: int,
+            floor: float = FLOOR) -> str:
+    """``ok`` at or above ``floor`` x the same-blocks limit; below it, the wall the
+    figures show: the job's processes busy on (nearly) every core it has is its own
+    CPU; otherwise it waits (on Spark's scheduling or the servers), with the cores it
+    used as the figure."""
+    if ratio >= floor:
+        return f"ok ({ratio:.2f}x >= {floor}x)"
+    if job_cores_used >= 0.85 * cores:
+        return (f"BELOW {floor}x ({ratio:.2f}x): wall = the job's own CPU "
+                f"({job_cores_used:.2f} of {cores} cores busy while processing)")
+    return (f"BELOW {floor}x ({ratio:.2f}x): wall = waiting, not CPU "
+            f"(job used {job_cores_used:.2f} of {cores} cores while processing)")
+
+
+BATCH_LINE: Final = re.compile(r"blockagg\.job: batch kind=\S+ batch=(\d+) ([^\n]*)")
+
+
+def batch_figures(log_text: str) -> tuple[list[int], list[int]]:
+    """``(blocks, rows)`` of each batch line that inserted a block: one insert per
+    block, so ``blocks`` is the inserts of each batch."""
+    blocks, rows = [], []
+    for m in BATCH_LINE.finditer(log_text):
+        fields = dict(re.findall(r"(\w+)=([0-9.]+)(?:\s|$)", m.group(2)))
+        if int(fields.get("blocks", 0)):
+            blocks.append(int(fields["blocks"]))
+            rows.append(int(fields.get("rows", 0)))
+    return blocks, rows
+
+
+def metadata_figures(commits: Sequence[str]) -> dict[str, float]:
+    """Metadata per commit: characters (what the broker counts against
+    ``offset.metadata.max.bytes``) and UTF-8 bytes, largest and median, and how many
+    commits the run made."""
+    chars = [len(m) for m in commits]
+    return {"commits": len(commits), "metadata_chars_max": max(chars, default=0),
+            "metadata_chars_median": median(chars),
+            "metadata_bytes_max": max((len(m.encode()) for m in commits), default=0)}
+
+
+@dataclass
+class PointResult:
+    """A point's runs (one dict per contender and repeat, in run order) and medians."""
+
+    point: Point
+    rows: int
+    row_bytes: float
+    cores: int
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+    def of(self, contender: str, key: str) -> list[float]:
+        return [float(r[key]) for r in self.runs
+                if r["contender"] == contender and key in r and r.get("complete", True)]
+
+    def summary(self) -> dict[str, Any]:
+        job, same, large = (median(self.of(c, "rows_per_s")) for c in CONTENDERS)
+        cores_used = median(self.of("job", "cores_used"))
+        ratio = job / same if same else 0.0
+        return {
+            "job_rows_per_s": job, "same_rows_per_s": same, "large_rows_per_s": large,
+            "job_over_same": ratio, "job_over_large": job / large if large else 0.0,
+            "job_cpu_s_per_mrows": median(self.of("job", "cpu_s_per_mrows")),
+            "job_cores_used": cores_used,
+            "inserts_per_batch": median(self.of("job", "inserts_per_batch")),
+            "rows_per_block": median(self.of("job", "rows_per_block")),
+            "metadata_chars": median(self.of("job", "metadata_chars_max")),
+            "metadata_bytes": median(self.of("job", "metadata_bytes_max")),
+            "parts_per_table": median(self.of("job", "parts_per_table_mean")),
+            "parts_per_table_max": median(self.of("job", "parts_per_table_max")),
+            "verdict": verdict(ratio, cores_used, self.cores),
+        }
+
+    def line(self) -> str:
+        s = self.summary()
+        p = self.point
+        return (f"{p.curve}={p.label:<6} tables={p.tables} partitions={p.partitions} "
+                f"rows/message={p.rows_per_message} row_bytes={self.row_bytes:.0f}: job "
+                f"{s['job_rows_per_s']:,.0f} rows/s, same blocks {s['same_rows_per_s']:,.0f}, "
+                f"large blocks {s['large_rows_per_s']:,.0f}; job/same {s['job_over_same']:.2f} "
+                f"job/large {s['job_over_large']:.2f}; job cpu {s['job_cpu_s_per_mrows']:.2f} "
+                f"s/Mrows ({s['job_cores_used']:.2f} cores); {s['inserts_per_batch']:,.0f} "
+                f"inserts/batch, {s['rows_per_block']:,.0f} rows/block; metadata "
+                f"{s['metadata_chars']:,.0f} chars ({s['metadata_bytes']:,.0f} B) per commit; "
+                f"{s['parts_per_table']:.1f} active parts/table (max "
+                f"{s['parts_per_table_max']:.0f}); {s['verdict']}")
+
+
+def dump(results: Sequence[PointResult], header: dict[str, Any]) -> str:
+    """The JSON of a run: its header (command, options), each point's runs and medians."""
+    return json.dumps({"header": header, "points": [
+        {"point": asdict(r.point), "rows": r.rows, "row_bytes": r.row_bytes,
+         "cores": r.cores, "runs": r.runs, "summary": r.summary()} for r in results]},
+        indent=1)
+
+
+def load(text: str) -> tuple[list[PointResult], dict[str, Any]]:
+    """Inverse of :func:`dump` (the summaries are recomputed from the runs)."""
+    data = json.loads(text)
+    return [PointResult(Point(**p["point"]), p["rows"], p["row_bytes"], p["cores"], p["runs"])
+            for p in data["points"]], data.get("header", {})
+
+
+def widen(rows: Rows, string_bytes: int) -> Rows:
+    """``rows`` with each pool entry's ``name`` replaced by ``string_bytes`` seeded
+    printable characters (random, so neither LZ4 nor Kafka's compression makes the
+    width free): the 1 KiB point of the row-width curve. Ids and every other field
+    stay as they were."""
+    if not string_bytes:
+        return rows
+    from tests.faults.workload import random_events
+
+    message_type = type(random_events(1, rows.seed)[0])
+    rng = random.Random(rows.seed * 7919 + string_bytes)
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    pool = []
+    for entry in rows.pool:
+        m = message_type.FromString(entry.tail)
+        m.name = "".join(rng.choice(alphabet) for _ in range(string_bytes))
+        values = (*entry.values[:4], m.name, *entry.values[5:])
+        pool.append(PoolEntry(m.SerializeToString(), values))
+    rows.pool = pool
+    return rows
+
+
+# ------------------------------------------------------------------- the shell
+
+
+class Runner:
+    """Runs one point against the stack: produce once, then the ABBA plan."""
+
+    def __init__(self, args: argparse.Namespace, point: Point) -> None:
+        from bench.bench_e2e import Bench
+
+        self.args, self.point = args, point
+        self.bench = Bench(argparse.Namespace(
+            rows=args.rows, tables=point.tables, partitions=point.partitions,
+            rows_per_message=point.rows_per_message, seed=args.seed, folder=None,
+            quorum=args.quorum, trigger="1s", max_offsets=0, timeout=args.timeout,
+            profile=False, baseline_root=None))
+        widen(self.bench.rows, point.string_bytes)
+
+    def prepare(self) -> None:
+        from bench.workload import create_topic, produce
+
+        b = self.bench
+        b.fresh_tables()
+        b.register()
+        create_topic(b.bootstrap, b.topic, self.point.partitions)
+        print(f"{self.point.curve}={self.point.label}: producing {b.rows.rows:,} rows "
+              f"({b.rows.messages:,} messages) ...", file=sys.stderr, flush=True)
+        produce(b.bootstrap, b.topic, b.rows.envelopes())
+
+    def parts(self, like: str) -> tuple[float, int]:
+        """Mean and max active parts per table of the point's database whose name is
+        ``LIKE like``, on the first replica."""
+        rows = self.bench.clients[0].execute(
+            "SELECT table, count() FROM system.parts WHERE database = %(db)s AND active "
+            "AND table LIKE %(like)s GROUP BY table", {"db": self.bench.database, "like": like})
+        counts = [int(n) for _, n in rows]
+        return (sum(counts) / len(counts) if counts else 0.0), max(counts, default=0)
+
+    def commit_metadata(self, group: str) -> list[str]:
+        """The metadata of every commit of ``group`` on the point's topic, intents and
+        final commits, read back from ``__consumer_offsets`` (the verifier's reader):
+        the committed offset alone keeps only the last, final commit, which lists no
+        block."""
+        from blockagg.verifier.history import HistoryReader
+        from blockagg.verifier.rules import Commit
+
+        with HistoryReader(self.bench.bootstrap, [group], [self.bench.topic]) as reader:
+            return [e.metadata for e in reader.events() if isinstance(e, Commit)]
+
+    def job(self) -> dict[str, Any]:
+        b = self.bench
+        cores = self.args.cores
+        r = b.one_run("exactly_once", cores, self.args.block_rows)
+        tag = f"exactly_once-{cores}-{self.args.block_rows}-{b.generation}"
+        log = b.folder / f"{tag}.log"
+        blocks, rows = batch_figures(log.read_text(errors="replace") if log.exists() else "")
+        metadata = metadata_figures(self.commit_metadata(f"e2e-{b.run_id}-{tag}"))
+        mean, most = self.parts("t%")
+        busy = r.processing_cpu_s / r.seconds if r.seconds else 0.0
+        return {
+            "rows_per_s": r.rows_per_s, "seconds": r.seconds, "startup_s": r.startup_s,
+            "rows_stored": r.rows, "complete": r.rows == b.rows.rows and r.exit_code == 0,
+            "exit_code": r.exit_code,
+            "cpu_s_per_mrows": r.processing_cpu_s / r.rows * 1e6 if r.rows else 0.0,
+            "job_cpu_s_per_mrows_whole_run": r.job_cpu_s / r.rows * 1e6 if r.rows else 0.0,
+            "server_cpu_s_per_mrows": r.server_cpu_s / r.rows * 1e6 if r.rows else 0.0,
+            "cores_used": busy, "batches": len(blocks),
+            "inserts_per_batch": median(blocks),
+            "rows_per_block": sum(rows) / sum(blocks) if blocks else 0.0,
+            **metadata,
+            "parts_per_table_mean": mean, "parts_per_table_max": most, "log": str(log),
+        }
+
+    def same(self, repeat: int) -> dict[str, Any]:
+        from bench.bench_limits import raw_insert_job_blocks
+
+        b = self.bench
+        r = raw_insert_job_blocks(b.rows, b.host, b.ports, b.database, self.args.block_rows,
+                                  self.args.same_blocks_lanes, self.args.quorum, b.servers,
+                                  100 + repeat)
+        mean, most = self.parts(f"j{100 + repeat}\\_%")
+        self.drop(f"j{100 + repeat}\\_%")
+        return {"rows_per_s": r.rows_per_s, "seconds": r.seconds,
+                "client_cpu_s": r.client_cpu_s, "server_cpu_s_per_mrows":
+                r.server_cpu_s / r.rows * 1e6, "parts_per_table_mean": mean,
+                "parts_per_table_max": most, "note": r.note}
+
+    def large(self, repeat: int) -> dict[str, Any]:
+        from bench.bench_limits import raw_insert
+
+        b = self.bench
+        name = f"raw{repeat}"
+        create_tables(b.clients, b.database, [name])
+        r = raw_insert(b.rows, b.clients[0], f"{b.database}.{name}", self.args.large_block_rows,
+                       b.servers)
+        self.drop(name)
+        return {"rows_per_s": r.rows_per_s, "seconds": r.seconds,
+                "client_cpu_s": r.client_cpu_s,
+                "server_cpu_s_per_mrows": r.server_cpu_s / r.rows * 1e6, "note": r.note}
+
+    def drop(self, like: str) -> None:
+        """Drop the point's tables ``LIKE like`` on every replica, so a 1,000-table point
+        does not leave thousands of tables loading the next one's servers."""
+        b = self.bench
+        names = [n for (n,) in b.clients[0].execute(
+            "SELECT name FROM system.tables WHERE database = %(db)s AND name LIKE %(like)s",
+            {"db": b.database, "like": like})]
+        for c in b.clients:
+            for n in names:
+                c.execute(f"DROP TABLE IF EXISTS {b.database}.{n}")
+
+    def run(self) -> PointResult:
+        self.prepare()
+        b = self.bench
+        result = PointResult(self.point, b.rows.rows, b.rows.encoded_row_bytes, self.args.cores)
+        for repeat, contender in abba(CONTENDERS, self.args.repeat):
+            started = time.monotonic()
+            figures = (self.job() if contender == "job" else
+                       self.same(repeat) if contender == "same" else self.large(repeat))
+            figures.update(contender=contender, repeat=repeat,
+                           wall_s=round(time.monotonic() - started, 1))
+            result.runs.append(figures)
+            print(f"  {contender:<5} #{repeat}: {figures['rows_per_s']:>10,.0f} rows/s",
+                  file=sys.stderr, flush=True)
+        return result
+
+    def close(self) -> None:
+        for c in self.bench.clients:
+            c.execute(f"DROP DATABASE IF EXISTS {self.bench.database}")
+
+
+def plot(results: Sequence[PointResult], path: Path) -> None:
+    """Four panels, one per curve: rows/s of the job and of both limits (left axis), the
+    job's ratio to its same-blocks limit (right axis) with the 0.8x line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, curve in zip(axes.ravel(), CURVES, strict=True):
+        mine = sorted((r for r in results if r.point.curve == curve), key=lambda r: r.point.x)
+        ax.set_title(curve.replace("_", " "), fontsize=10)
+        if not mine:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center",
+                    transform=ax.transAxes)
+            continue
+        xs = list(range(len(mine)))
+        sums = [r.summary() for r in mine]
+        for key, label, style in (("large_rows_per_s", "raw insert, large blocks", "s--"),
+                                  ("same_rows_per_s", "same-blocks limit", "^--"),
+                                  ("job_rows_per_s", "job, exactly-once", "o-")):
+            ax.plot(xs, [s[key] for s in sums], style, label=label)
+        ax.set_xticks(xs, [r.point.label for r in mine])
+        ax.set_ylabel("rows/s (log)")
+        ax.set_yscale("log")  # large blocks run 10-50x the small blocks' figures
+        ax.set_xlim(-0.6, len(mine) - 0.4)
+        twin = ax.twinx()
+        twin.bar(xs, [s["job_over_same"] for s in sums], width=0.3, alpha=0.25,
+                 color="tab:green", label="job / same-blocks limit")
+        twin.axhline(FLOOR, color="tab:red", linestyle=":", linewidth=1, label=f"{FLOOR}x")
+        twin.set_ylim(0, max(1.2, *(s["job_over_same"] * 1.1 for s in sums)))
+        twin.set_ylabel("job / same-blocks limit")
+        if curve == "tables":
+            lines, labels = ax.get_legend_handles_labels()
+            more, more_labels = twin.get_legend_handles_labels()
+            ax.legend(lines + more, labels + more_labels, fontsize=7, loc="upper right")
+    fig.suptitle(f"The curves (median of the repeats; {results[0].rows:,} rows a point)"
+                 if results else "The curves", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--curve", action="append", choices=list(CURVES),
+                    help="a curve to run (repeatable; default: all four)")
+    ap.add_argument("--points", default="",
+                    help="comma list of points to keep: labels (10,1000,1KiB) or "
+                    "curve=label (rows_per_message=10)")
+    ap.add_argument("--rows", type=int, default=1_000_000,
+                    help="rows per point (about 1-3 min a point on a quiet 2-core machine "
+                    "but for the 1,000-table point)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cores", type=int, default=2)
+    ap.add_argument("--block-rows", type=int, default=100_000, help="the job's blocks.max_rows")
+    ap.add_argument("--large-block-rows", type=int, default=100_000)
+    ap.add_argument("--same-blocks-lanes", type=int, default=8)
+    ap.add_argument("--quorum", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, help="draw the four panels here (docs/bench_curves.png)")
+    ap.add_argument("--plot-only", type=Path, metavar="JSON",
+                    help="only draw --plot (default docs/bench_curves.png) from this --json")
+    args = ap.parse_args(argv)
+    if args.plot_only:
+        loaded, _ = load(args.plot_only.read_text())
+        plot(loaded, args.plot or REPO_ROOT / "docs" / "bench_curves.png")
+        return 0
+    try:
+        plan = points(args.curve or list(CURVES),
+                      [p for p in args.points.split(",") if p])
+    except CurveError as exc:
+        ap.error(str(exc))
+    command = "python -m bench.bench_curves " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    header = {"command": command, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                           time.gmtime()),
+              **{k: str(v) for k, v in vars(args).items()}}
+    results: list[PointResult] = []
+    for point in plan:
+        runner = Runner(args, point)
+        try:
+            results.append(runner.run())
+        finally:
+            runner.close()
+        print(results[-1].line(), flush=True)
+        if args.json:  # after each point: a long run killed half-way keeps what it measured
+            args.json.write_text(dump(results, header))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,210 @@
+"""The pure parts of ``bench.bench_curves`` (issue 28 item 4): the points of the four
+curves, the ABBA order of a point's runs, the median, the 0.8x verdict, the job log's
+batch figures, the metadata figures, the JSON round trip and the 1 KiB row widening.
+No stack: the runs themselves are measured by hand (docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bench.bench_curves import (
+    CONTENDERS,
+    CURVES,
+    CurveError,
+    Point,
+    PointResult,
+    abba,
+    batch_figures,
+    dump,
+    load,
+    median,
+    metadata_figures,
+    points,
+    verdict,
+    widen,
+)
+from bench.workload import Rows
+
+
+def test_points_are_the_issues_four_curves() -> None:
+    every = points()
+    assert [(p.curve, p.x) for p in every] == [
+        ("tables", 10), ("tables", 100), ("tables", 500), ("tables", 1000),
+        ("partitions", 2), ("partitions", 8), ("partitions", 32),
+        ("rows_per_message", 1), ("rows_per_message", 10), ("rows_per_message", 100),
+        ("row_width", 0), ("row_width", 1024)]
+    # each curve varies one thing around the same centre: 100 tables, 8 partitions,
+    # 10 rows a message, narrow rows (the tables curve keeps 8 partitions)
+    centre = Point("x", "x")
+    for p in every:
+        for attr in ("tables", "partitions", "rows_per_message", "string_bytes"):
+            if attr != {"row_width": "string_bytes"}.get(p.curve, p.curve):
+                assert getattr(p, attr) == getattr(centre, attr), (p, attr)
+
+
+def test_points_selected_and_refused() -> None:
+    assert points(["tables", "row_width"], ["10", "1KiB"]) == [
+        Point("tables", "10", tables=10), Point("row_width", "1KiB", string_bytes=1024)]
+    assert points(selected=["10"]) == [Point("tables", "10", tables=10),
+                                       Point("rows_per_message", "10", rows_per_message=10)]
+    assert points(selected=["tables=10", "partitions=2"]) == [
+        Point("tables", "10", tables=10), Point("partitions", "2", partitions=2)]
+    with pytest.raises(CurveError, match=r"unknown points \['tables=2'\]"):
+        points(selected=["tables=2"])
+    with pytest.raises(CurveError, match="unknown curve 'rows'"):
+        points(["rows"])
+    with pytest.raises(CurveError, match=r"unknown points \['1KiB'\]"):
+        points(["tables"], ["10", "1KiB"])
+    assert isinstance(CurveError("x"), ValueError)
+
+
+@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.text(min_size=1, max_size=3), min_size=1, max_size=5, unique=True),
+       st.integers(1, 7))
+def test_abba_each_pair_of_repeats_balances_the_order(contenders: list[str],
+                                                      repeat: int) -> None:
+    plan = abba(contenders, repeat)
+    assert len(plan) == repeat * len(contenders)
+    for r in range(repeat):
+        mine = [c for i, c in plan if i == r]
+        assert sorted(mine) == sorted(contenders)  # each contender once a repeat
+        if r % 2 == 1:  # with the repeat before it: every contender's mean position equal
+            before = [c for i, c in plan if i == r - 1]
+            for c in contenders:
+                assert before.index(c) + mine.index(c) == len(contenders) - 1
+    assert [i for i, _ in plan] == sorted(i for i, _ in plan)  # repeats never interleave
+
+
+def test_abba_of_the_three_contenders() -> None:
+    assert abba(CONTENDERS, 3) == [(0, "job"), (0, "same"), (0, "large"), (1, "large"),
+                                   (1, "same"), (1, "job"), (2, "job"), (2, "same"),
+                                   (2, "large")]
+
+
+@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.floats(-1e9, 1e9), min_size=1, max_size=9), st.randoms())
+def test_median_is_order_free(xs: list[float], rnd: object) -> None:
+    shuffled = list(xs)
+    rnd.shuffle(shuffled)  # type: ignore[attr-defined]
+    assert median(shuffled) == median(xs) == statistics.median(xs)
+
+
+def test_median_of_nothing_and_of_three() -> None:
+    assert median([]) == 0.0
+    assert median([3.0, 100.0, 1.0]) == 3.0  # one slow run of three never moves it
+
+
+def test_verdict_at_below_and_at_the_floor() -> None:
+    assert verdict(0.8, 0.1, 2).startswith("ok")
+    assert verdict(1.3, 2.0, 2).startswith("ok")
+    cpu = verdict(0.5, 1.9, 2)
+    assert cpu.startswith("BELOW 0.8x (0.50x)") and "the job's own CPU" in cpu
+    assert "1.90 of 2 cores" in cpu
+    wait = verdict(0.79, 0.6, 2)
+    assert wait.startswith("BELOW 0.8x (0.79x)") and "waiting, not CPU" in wait
+    assert "0.60 of 2 cores" in wait
+
+
+LOG = """\
+03:03:40 INFO    blockagg.job: batch kind="stream" batch=0 run="f6" partitions=8 \
+messages=0 rows=0 bytes=0 blocks=0 replayed_blocks=0 dead_letters=0 commits=0 seconds=0.1
+03:03:52 INFO    blockagg.job: batch kind="stream" batch=1 run="f6" partitions=8 \
+messages=10000 rows=100000 bytes=7063268 blocks=80 replayed_blocks=0 dead_letters=0 \
+skipped=0 commits=16 seconds=13.816 max_task_seconds=1.424
+03:03:53 INFO    blockagg.job: batch still running batch=2
+03:03:59 INFO    blockagg.job: batch kind="stream" batch=2 run="f6" partitions=8 \
+messages=10 rows=20 bytes=70 blocks=4 replayed_blocks=0 seconds=1.0
+"""
+
+
+def test_batch_figures_count_the_batches_that_inserted() -> None:
+    assert batch_figures(LOG) == ([80, 4], [100_000, 20])
+    assert batch_figures("") == ([], [])
+
+
+def test_metadata_figures_count_characters_as_the_broker_does() -> None:
+    figures = metadata_figures(["ba3:" + "\u4e00" * 10, "ba3:x", "ba3:xyz"])
+    assert figures == {"commits": 3, "metadata_chars_max": 14, "metadata_chars_median": 7,
+                       "metadata_bytes_max": 34}
+    assert metadata_figures([])["metadata_chars_max"] == 0
+
+
+def _result() -> PointResult:
+    result = PointResult(Point("partitions", "2", partitions=2), 1000, 67.5, 2)
+    for repeat, contender in abba(CONTENDERS, 3):
+        rate = {"job": 90.0, "same": 100.0, "large": 400.0}[contender] + repeat
+        run = {"contender": contender, "repeat": repeat, "rows_per_s": rate}
+        if contender == "job":
+            run.update(cpu_s_per_mrows=5.0, cores_used=1.0 + repeat / 10,
+                       inserts_per_batch=200, rows_per_block=5.0, metadata_chars_max=900,
+                       metadata_bytes_max=1800, parts_per_table_mean=2.0,
+                       parts_per_table_max=3, complete=repeat != 2)
+        result.runs.append(run)
+    return result
+
+
+def test_summary_is_the_median_of_complete_runs() -> None:
+    s = _result().summary()
+    assert s["job_rows_per_s"] == 90.5  # repeats 0 and 1; repeat 2 did not store every row
+    assert s["same_rows_per_s"] == 101.0 and s["large_rows_per_s"] == 401.0
+    assert s["job_over_same"] == pytest.approx(90.5 / 101.0)
+    assert s["verdict"].startswith("ok")
+    assert s["metadata_chars"] == 900 and s["inserts_per_batch"] == 200
+
+
+def test_json_round_trip() -> None:
+    result = _result()
+    text = dump([result], {"command": "python -m bench.bench_curves --rows 1000"})
+    back, header = load(text)
+    assert header == {"command": "python -m bench.bench_curves --rows 1000"}
+    assert back == [result]
+    assert back[0].summary() == result.summary()
+    assert dump(back, header) == text
+
+
+def test_widen_makes_every_name_1_kib_and_keeps_the_rest() -> None:
+    narrow, wide = Rows(100, 2, 10, 2, 1), widen(Rows(100, 2, 10, 2, 1), 1024)
+    assert wide.encoded_row_bytes - narrow.encoded_row_bytes > 1000
+    from tests.faults.workload import random_events
+
+    message_type = type(random_events(1, 1)[0])
+    for a, b in zip(narrow.pool, wide.pool, strict=True):
+        m = message_type.FromString(b.tail)
+        assert len(m.name) == 1024 and b.values[4] == m.name
+        assert a.values[:4] == b.values[:4] and a.values[5:] == b.values[5:]
+    assert len({e.values[4] for e in wide.pool}) == len(wide.pool)  # not one repeated string
+    assert widen(narrow, 0) is narrow
+    again = widen(Rows(100, 2, 10, 2, 1), 1024)
+    assert [e.tail for e in again.pool] == [e.tail for e in wide.pool]  # seeded
+    assert CURVES["row_width"] == ("narrow", "1KiB")
+
+
+def test_the_same_blocks_limit_waits_out_a_pending_quorum() -> None:
+    """18.16 refuses a quorum insert while the table's previous one is pending (code
+    286); the same-blocks limit sends the block again, as the job does, instead of
+    ending the run (which it did at 10 tables, where 8 lanes share a table)."""
+    from clickhouse_driver.errors import ServerException
+
+    from bench.bench_limits import insert_waiting_for_quorum
+
+    answers: list[Exception | None] = [ServerException("previous write", code=286),
+                                       ServerException("previous write", code=286), None]
+    pauses: list[float] = []
+
+    def send() -> None:
+        answer = answers.pop(0)
+        if answer is not None:
+            raise answer
+
+    assert insert_waiting_for_quorum(send, 0.01, pauses.append) == 2
+    assert pauses == [0.01, 0.01] and not answers
+
+    def refused() -> None:
+        raise ServerException("Table doesn't exist", code=60)
+
+    with pytest.raises(ServerException, match="doesn't exist"):
+        insert_waiting_for_quorum(refused, 0.01, pauses.append)
