@@ -192,7 +192,7 @@ def with_incarnation(plan: TablePlan, live: Sequence[Column]) -> TablePlan:
     replay across that ``ALTER`` sends a block its first attempt did not; the
     re-send check (``structure.resend_risk``) sees the ALTER and counts the rows
     first, and refuses when rows of unknown incarnation are at the block's
-    coordinates (``writer._already_stored``). Pure."""
+    coordinates (``resend.ResendCheck.already_stored``). Pure."""
     column = next((c for c in live if c.name == INCARNATION_COLUMN), None)
     if (column is None or plan.incarnation or column.type != "UInt64"
             or column.default_kind in ("MATERIALIZED", "ALIAS")):

@@ -7,16 +7,20 @@ record) and ``run_partition(ctx, rows)`` the ``rdd.mapPartitions`` one (``"rows"
 pickled ``Row`` per record); both feed :func:`run_range` the same lists. The Kafka source
 gives each Kafka topic-partition range its own Spark partition (``minPartitions`` and
 ``maxRecordsPerPartition`` are refused by the configuration), in offset order; the
-task checks both and refuses rows that break them. It reads the partition's last
-commit FIRST, takes the pins the batch must be prepared under (:func:`current_pins`,
-then :func:`~aggregator.core.protocol.batch_pins`: a replay keeps its intent's
-registry position, topic incarnation and deduplication mode), builds a
-:class:`Batch` over the planned ``[start, end)`` range under them (envelope -> table
-id; unregistered tables and malformed envelopes -> the dead-letter table, id 0),
-runs the core protocol (REPLAY, then CONSUME) with the shard's writer as the sink,
-and returns figures. ``run_range(ctx, tp, [])`` is the same for a planned range
-without a visible row (only transaction markers or aborted records): the driver runs
-it, so the final metadata of that range is still committed.
+task checks both and refuses rows that break them.
+
+An attempt (``_run_attempt``) runs the stages straight down, each handing the next a
+value (docs/architecture.md): the partition's last commit FIRST; the rows stage's
+:func:`~rows.partition.prepare_partition` (envelopes, the pins the batch must be
+prepared under: :func:`current_pins`, then a replay keeps its intent's registry
+position, topic incarnation and deduplication mode; the registry view, decoded columns,
+dead letters, abandoned blocks) -> :class:`Batch`; :func:`plan_partition` (the checks
+that need the shard, then the core's plan) -> ``Plan``; the core's ``run_batch`` with the
+shard's writer as the sink -> ``BatchReport``; :func:`task_report` -> the report.
+What the stages need of the adapters is passed in from the components here.
+``run_range(ctx, tp, [])`` is the same for a planned range without a visible row (only
+transaction markers or aborted records): the driver runs it, so the final metadata of
+that range is still committed.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,9 +39,6 @@ import pyarrow.compute as pc
 
 from blockagg import logs
 from blockagg.aggregator.core.metadata import (
-    DEAD_LETTER_TABLE_ID,
-    NO_PINS,
-    BlockRange,
     DedupMode,
     Pins,
 )
@@ -51,7 +52,8 @@ from blockagg.aggregator.core.model import (
     Thresholds,
 )
 from blockagg.aggregator.core.protocol import (
-    batch_pins,
+    BatchReport,
+    Plan,
     plan_batch,
     read_committed,
     run_batch,
@@ -61,14 +63,13 @@ from blockagg.proto.envelope import (
     Envelopes,
     Parsed,
     Rejected,
-    parse_envelope,
-    parse_envelopes,
 )
-from blockagg.rows.deadletters import DeadLetter, make_dead_letter
+from blockagg.rows.deadletters import DeadLetter
+from blockagg.rows.partition import positioned, prepare_partition
+from blockagg.rows.prepare import Plans
 from blockagg.spark.components import (
     Attempt,
     Components,
-    TableRegistry,
     cached,
     describer,
     insert_lanes,
@@ -98,14 +99,6 @@ class TaskContext:
     topic without it has no guard (:func:`block_shares`)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
-    """The payload of one message routed to a table: its envelope, parsed."""
-
-    parsed: Parsed
-    timestamp_ms: int
-
-
 def now_s() -> int:
     """The wall-clock time recorded as the first send of the blocks a plan forms
     (``Metadata.since_s``): seconds since the epoch."""
@@ -127,63 +120,6 @@ def reason_label(reason: str) -> str:
         if needle in low:
             return label
     return "other"
-
-
-def build_batch(
-    rng: PlannedRange,
-    offsets: Sequence[int],
-    values: Sequence[bytes | None],
-    timestamps_ms: Sequence[int],
-    registry: TableRegistry,
-    dead_letter_table: str,
-    pins: Pins = NO_PINS,
-) -> Batch:
-    """The core's columnar :class:`Batch` for one partition's rows (offset order).
-
-    Payloads: :class:`Message` for a message routed to a table, a
-    :class:`~blockagg.rows.deadletters.DeadLetter` (table id 0) for one that
-    can't be: a malformed envelope or an unregistered table. Every decision is a pure
-    function of the message and the registry, so a replay classifies alike.
-    """
-    n = len(offsets)
-    table_ids = np.zeros(n, dtype=np.int64)
-    row_counts = np.ones(n, dtype=np.int64)
-    sizes = np.zeros(n, dtype=np.int64)
-    payloads: list[Message | DeadLetter] = []
-    tables: dict[int, str] = {}
-    for i, (offset, value, ts) in enumerate(zip(offsets, values, timestamps_ms, strict=True)):
-        sizes[i] = len(value) if value is not None else 0
-        result = parse_envelope(value)
-        reason: Rejected | None = None
-        if isinstance(result, Parsed):
-            table_id = registry.table_id(result.table)
-            if table_id is not None:
-                table_ids[i] = table_id
-                row_counts[i] = len(result.rows)
-                tables[table_id] = result.table
-                payloads.append(Message(result, ts))
-                continue
-            reason = Rejected(f"table {result.table} is not registered in the schema registry",
-                              table=result.table)
-        else:
-            reason = result
-        payloads.append(make_dead_letter(rng.topic, rng.partition, offset, ts, value,
-                                         reason.reason, reason.table))
-        tables[DEAD_LETTER_TABLE_ID] = dead_letter_table
-    start = rng.start if rng.exact_start or n == 0 else min(rng.start, offsets[0])
-    return Batch(
-        topic=rng.topic,
-        partition=rng.partition,
-        start=start,
-        end=rng.end,
-        offsets=np.asarray(offsets, dtype=np.int64),
-        table_ids=table_ids,
-        row_counts=row_counts,
-        sizes=sizes,
-        payloads=payloads,
-        tables=tables,
-        pins=pins,
-    )
 
 
 def live_columns(config: Config, topic: TopicConfig, table: str) -> Any:
@@ -238,11 +174,6 @@ def block_shares(ctx: TaskContext, topic: TopicConfig, batch: Batch) -> tuple[Bl
             continue
         shares.append(BlockShare(table_id, window.blocks, partitions))
     return tuple(shares)
-
-
-def positioned(registry: Any) -> bool:
-    """Whether ``registry`` pins positions (:class:`proto.registry.RegistryCache`)."""
-    return all(hasattr(registry, m) for m in ("current", "position", "at"))
 
 
 def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
@@ -321,103 +252,6 @@ def refuse_stored_coordinates(components: Any, config: Config, topic: TopicConfi
     if found:
         raise CoordinatesInUse(coordinates_in_use_error(batch.topic, batch.partition, start,
                                                         found))
-
-
-def prepare_batch(
-    config: Config,
-    topic: TopicConfig,
-    rng: PlannedRange,
-    offsets: Sequence[int],
-    values: Sequence[bytes | None],
-    timestamps_ms: Sequence[int],
-    registry: Any,
-    pins: Pins = NO_PINS,
-    parsed: Sequence[Parsed | Rejected] | Envelopes | None = None,
-) -> Batch:
-    """The :class:`Batch` through the data path (``blockagg.rows.prepare``):
-    envelopes (parsed in bulk), registry as of ``pins.registry``, vectorised decoding
-    with each version's registered columns (checked against the live ones), dead
-    letters.
-
-    ``pins.registry`` 0 (not pinned) decides with the worker's snapshot, re-read
-    when a message needs a newer one, as before pins existed. ``parsed``: the
-    envelopes when the caller has them (:func:`~proto.envelope.parse_envelopes`; a
-    list of :func:`~proto.envelope.parse_envelope` results takes the per-message
-    path, the same decisions)."""
-    from blockagg.proto.registry import pinned_position
-    from blockagg.rows.prepare import Message as Record
-    from blockagg.rows.prepare import (
-        Plans,
-        needs_newer_any,
-        prepare,
-        prepare_envelopes,
-    )
-
-    plans: Plans = cached(
-        ("plans", topic.label, str(id(registry))),
-        lambda: Plans(registry.current(),
-                      columns=lambda table: live_columns(config, topic, table),
-                      columns_ttl_s=config.schemas.refresh_interval,
-                      columns_many=lambda tables: live_columns_many(config, topic, tables)),
-    )
-    plans.expire_live()
-    envelopes = parsed if isinstance(parsed, Envelopes) else parse_envelopes(values)
-    stamps = np.asarray(timestamps_ms, dtype=np.int64)
-    if pins.registry and positioned(registry):
-        plans.registry = registry.at(pinned_position(pins.registry))
-    else:
-        snapshot = registry.current()
-        if needs_newer_any(snapshot, envelopes, stamps):
-            snapshot = registry.reload()
-        plans.registry = snapshot
-    if parsed is None or isinstance(parsed, Envelopes):
-        prepared = prepare_envelopes(rng.topic, rng.partition, offsets, stamps, values, plans,
-                                     config.dead_letters.table, envelopes=envelopes)
-    else:
-        records = [Record(int(o), int(t), v)
-                   for o, v, t in zip(offsets, values, timestamps_ms, strict=True)]
-        prepared = prepare(rng.topic, rng.partition, records, plans,
-                           config.dead_letters.table, parsed=parsed)
-    n = len(offsets)
-    start = rng.start if rng.exact_start or n == 0 else min(rng.start, offsets[0])
-    return Batch(
-        topic=rng.topic, partition=rng.partition, start=start, end=rng.end,
-        offsets=prepared.offsets, table_ids=prepared.table_ids,
-        row_counts=prepared.row_counts, sizes=prepared.sizes,
-        payloads=prepared.payloads, tables=prepared.tables, pins=pins,
-    )
-
-
-def route_missing_blocks(batch: Batch, config: Config, values: Sequence[bytes | None],
-                         timestamps_ms: Sequence[int]) -> Batch:
-    """The batch with the surviving messages of the operator's abandoned blocks
-    (``job.dead_letter_missing_blocks``) turned into dead letters, and those blocks
-    in ``Batch.abandoned`` (the core then skips the rest of their table up to their
-    last offset). A pure function of the messages and the setting, so every retry
-    routes alike while the setting stays."""
-    mine = [b for b in config.job.dead_letter_missing_blocks
-            if (b.topic, b.partition) == (batch.topic, batch.partition)]
-    if not mine:
-        return batch
-    table_ids = batch.table_ids.copy()
-    payloads = list(batch.payloads)
-    for b in mine:
-        hit = np.flatnonzero((table_ids == b.table_id) & (batch.offsets >= b.first)
-                             & (batch.offsets <= b.last))
-        name = batch.tables.get(b.table_id, f"#{b.table_id}")
-        reason = (f"replay block missing: block [{b.first}, {b.last}] of table {name} lost "
-                  "messages to retention or compaction; this message may already be in "
-                  "the table")
-        for i in hit.tolist():
-            payloads[i] = make_dead_letter(batch.topic, batch.partition,
-                                           int(batch.offsets[i]), int(timestamps_ms[i]),
-                                           values[i], reason, name)
-        table_ids[hit] = DEAD_LETTER_TABLE_ID
-    tables = {**batch.tables, DEAD_LETTER_TABLE_ID: config.dead_letters.table}
-    row_counts = np.where(table_ids != batch.table_ids, 1, batch.row_counts)
-    abandoned = tuple(BlockRange(b.table_id, b.first, b.last) for b in mine)
-    return replace(batch, table_ids=table_ids, payloads=payloads, tables=tables,
-                   row_counts=row_counts, abandoned=abandoned)
 
 
 def _error_code(exc: BaseException) -> str | None:
@@ -545,38 +379,67 @@ def _run_attempt(
     attempt: Attempt | None,
     started: float,
 ) -> dict[str, Any]:
+    """One attempt at the partition, one stage after another, each handing the next a
+    value: the last commit (first: a replay must be prepared under its intent's pins)
+    -> the rows stage's :class:`Batch` -> the core's plan -> its run -> the report."""
     config = ctx.config
     registry = ctx.components.registry(config)
     topic_config = config.topic_for(tp[0])
     store = _MeasuredStore(attempt or ctx.components.store(config))
     sink = _MeasuredSink(ctx.components.sink(config, topic_config))
-    # The last commit first: a replay must be prepared under its intent's pins.
     committed = store.committed(tp[0], tp[1])
-    full = hasattr(registry, "reload") and hasattr(registry, "current")
-    parsed: Envelopes | list[Parsed | Rejected] = parse_envelopes(values) if full else []
-    current = current_pins(ctx.components, config, topic_config, tp[0], registry, parsed,
-                           timestamps_ms if full else [])
-    pins = batch_pins(tp[0], tp[1], committed, current)
-    if full:
-        batch = prepare_batch(config, topic_config, rng, offsets, values, timestamps_ms,
-                              registry, pins, parsed)
-    else:
-        batch = build_batch(rng, offsets, values, timestamps_ms, registry,
-                            config.dead_letters.table, pins)
-    if tp in ctx.partition_ends:
-        batch = replace(batch, partition_end=ctx.partition_ends[tp])
-    batch = route_missing_blocks(batch, config, values, timestamps_ms)
-    refuse_stored_coordinates(ctx.components, config, topic_config, registry, batch, committed)
-    # The dead-letter rate is judged by the driver over whole batches (a window of
-    # them, from dead_letters.min_messages on), after they are delivered: a partition's
-    # share alone says little (1 bad message of 1 is 100%).
+    batch = prepare_partition(
+        rng, offsets, values, timestamps_ms, committed, registry,
+        pins_now=lambda parsed, stamps: current_pins(ctx.components, config, topic_config,
+                                                     tp[0], registry, parsed, stamps),
+        plans=lambda: worker_plans(config, topic_config, registry),
+        dead_letter_table=config.dead_letters.table,
+        missing_blocks=config.job.dead_letter_missing_blocks,
+        partition_end=ctx.partition_ends.get(tp))
+    plan = plan_partition(ctx, topic_config, registry, batch, committed, attempt)
+    report = run_batch(plan, store, sink, attempt, insert_lanes(config))
+    return task_report(tp, batch, report, store, sink, config.dead_letters.table, started)
+
+
+def worker_plans(config: Config, topic: TopicConfig, registry: Any) -> Plans:
+    """This worker's decode plans for ``topic`` over ``registry`` (one per worker
+    process, :func:`~spark.components.cached`): the live columns each version is
+    checked against come from the shard's tables through :func:`live_columns`, which
+    also checks that a table drops a retried block."""
+    plans: Plans = cached(
+        ("plans", topic.label, str(id(registry))),
+        lambda: Plans(registry.current(),
+                      columns=lambda table: live_columns(config, topic, table),
+                      columns_ttl_s=config.schemas.refresh_interval,
+                      columns_many=lambda tables: live_columns_many(config, topic, tables)),
+    )
+    return plans
+
+
+def plan_partition(ctx: TaskContext, topic: TopicConfig, registry: Any, batch: Batch,
+                   committed: Committed | None, attempt: Attempt | None) -> Plan:
+    """The core's plan of ``batch`` (:func:`~aggregator.core.protocol.plan_batch`), once
+    the checks that need the shard have passed: a partition starting without a blockagg
+    commit into tables holding rows at its coordinates is refused
+    (:func:`refuse_stored_coordinates`), and each table's blocks are bounded by its
+    share of the deduplication window (:func:`block_shares`). Both raise before anything
+    of the batch is committed or inserted. The dead-letter rate is judged by the driver
+    over whole batches (a window of them, from dead_letters.min_messages on), after
+    they are delivered: a partition's share alone says little (1 bad message of 1 is
+    100%)."""
+    config = ctx.config
+    refuse_stored_coordinates(ctx.components, config, topic, registry, batch, committed)
     thresholds = Thresholds(config.blocks.max_rows, config.blocks.max_bytes,
                             config.job.offset_metadata_max_bytes,
-                            block_shares(ctx, topic_config, batch))
-    plan = plan_batch(batch, committed, thresholds, ctx.run_id, ctx.batch_id,
-                      attempt=attempt.nonce if attempt is not None else 0,
-                      now_s=now_s())
-    report = run_batch(plan, store, sink, attempt, insert_lanes(config))
+                            block_shares(ctx, topic, batch))
+    return plan_batch(batch, committed, thresholds, ctx.run_id, ctx.batch_id,
+                      attempt=attempt.nonce if attempt is not None else 0, now_s=now_s())
+
+
+def task_report(tp: TopicPartition, batch: Batch, report: BatchReport, store: _MeasuredStore,
+                sink: _MeasuredSink, dead_letter_table: str, started: float) -> dict[str, Any]:
+    """The report dict the driver aggregates: the run's figures, each table's consumed
+    rows and bytes, the dead letters by reason, the commits' and inserts' timings."""
     consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dead_letters: dict[str, int] = defaultdict(int)
     ids, owner = np.unique(batch.table_ids, return_inverse=True)
@@ -586,7 +449,7 @@ def _run_attempt(
         name = batch.tables[table_id]
         consumed[name][0] += int(rows[k])
         consumed[name][1] += int(sizes[k])
-        if name != config.dead_letters.table:
+        if name != dead_letter_table:
             continue
         for i in np.flatnonzero(batch.table_ids == table_id).tolist():
             message = batch.payloads[i]

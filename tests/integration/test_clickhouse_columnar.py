@@ -11,13 +11,9 @@ import numpy as np
 import pytest
 from clickhouse_driver import Client as DriverClient
 
+from blockagg.aggregator.clickhouse.blockdata import numpy_inserts_available
 from blockagg.aggregator.clickhouse.native import NativeBlock, native_client_class
-from blockagg.aggregator.clickhouse.writer import (
-    ClickHouseBlockWriter,
-    Replica,
-    WriterConfig,
-    numpy_inserts_available,
-)
+from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope

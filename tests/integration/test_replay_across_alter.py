@@ -161,11 +161,12 @@ def test_an_attempt_still_running_holds_its_query_id_until_it_ends(
     try:
         other = writer_for(stack_env)
         deadline = time.monotonic() + 60
-        while not other._still_running(block.token):
+        while not other.resend.still_running(block.token):
             assert time.monotonic() < deadline, "the waiting insert never showed"
             time.sleep(0.1)
         port = stack_env["BLOCKAGG_CH_PORTS"].split(",")[0]
-        assert other._still_running(block.token) == [f"{stack_env['BLOCKAGG_CH_HOST']}:{port}"]
+        address = f"{stack_env['BLOCKAGG_CH_HOST']}:{port}"
+        assert other.resend.still_running(block.token) == [address]
         with pytest.raises(ServerException) as refused:
             ch_replicas[0].execute("SELECT 1", query_id=block.token)
         assert refused.value.code == 216
@@ -173,7 +174,7 @@ def test_an_attempt_still_running_holds_its_query_id_until_it_ends(
         ch_replicas[1].execute(f"SYSTEM START FETCHES {table}")
         first.join(timeout=120)
     assert not first.is_alive()
-    assert writer_for(stack_env)._still_running(block.token) == []
+    assert writer_for(stack_env).resend.still_running(block.token) == []
     assert _counts(ch_replicas, table) == [20, 20]
 
 

@@ -57,7 +57,7 @@ class QuorumUnsatisfied(InsertFailed):
     """Every attempt of a block failed because ``insert_quorum`` could not be reached:
     a replica of the shard is not catching up. The message names the table, each
     replica's state (``system.replicas``, its oldest failing queue entry) and the remedy
-    (:func:`aggregator.clickhouse.writer.quorum_error`)."""
+    (:func:`aggregator.clickhouse.diagnosis.quorum_error`)."""
 
     def __init__(self, table: str, code: int | None, message: str, attempts: int,
                  explanation: str) -> None:
@@ -72,7 +72,7 @@ class AlterNotApplied(InsertFailed):
     """Every attempt of a block was refused because the replicas had not yet applied an
     ``ALTER`` of the table's columns (ClickHouse 18.16, code 244 ``Bad version`` of the
     table's ``columns`` node). The message says what to check and the remedy for a
-    stalled replicated ALTER (:func:`aggregator.clickhouse.writer.alter_error`)."""
+    stalled replicated ALTER (:func:`aggregator.clickhouse.diagnosis.alter_error`)."""
 
     def __init__(self, table: str, code: int | None, message: str, attempts: int,
                  explanation: str) -> None:

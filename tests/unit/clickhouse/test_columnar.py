@@ -13,13 +13,9 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor
 
+from blockagg.aggregator.clickhouse.blockdata import numpy_inserts_available
 from blockagg.aggregator.clickhouse.native import NativeBlock
-from blockagg.aggregator.clickhouse.writer import (
-    ClickHouseBlockWriter,
-    Replica,
-    WriterConfig,
-    numpy_inserts_available,
-)
+from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import message_class
 from blockagg.rows.columns import Column, Rows, decode_messages, make_plan

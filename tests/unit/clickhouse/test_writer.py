@@ -11,6 +11,12 @@ from clickhouse_driver import errors as ch_errors
 from google.protobuf.descriptor import Descriptor
 
 from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
+from blockagg.aggregator.clickhouse.diagnosis import (
+    ReplicaState,
+    is_quorum_failure,
+    quorum_error,
+    replicas_with_part,
+)
 from blockagg.aggregator.clickhouse.exceptions import (
     AlterNotApplied,
     CoordinatesMissing,
@@ -21,15 +27,7 @@ from blockagg.aggregator.clickhouse.exceptions import (
     QuorumUnsatisfied,
     TableNotFound,
 )
-from blockagg.aggregator.clickhouse.writer import (
-    ClickHouseBlockWriter,
-    Replica,
-    ReplicaState,
-    WriterConfig,
-    is_quorum_failure,
-    quorum_error,
-    replicas_with_part,
-)
+from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import message_class
 from blockagg.rows.columns import Column, Rows, decode_messages, make_plan

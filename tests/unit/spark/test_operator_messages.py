@@ -337,7 +337,7 @@ def test_quorum_contention_and_first_retries_are_info_persisting_ones_warn() -> 
     """A healthy cluster's retries are no warning (issue 26, item 2): the first failure
     of a block, and 18.16's one-quorum-insert-per-table contention until the last
     attempt. A failure that persists warns."""
-    from blockagg.aggregator.clickhouse.writer import retry_level
+    from blockagg.aggregator.clickhouse.diagnosis import retry_level
 
     pending = "Quorum for previous write has not been satisfied yet. Status: version: 1"
     assert retry_level(1, 6, 210, "Connection refused") == logging.INFO

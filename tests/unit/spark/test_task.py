@@ -12,10 +12,11 @@ from blockagg.aggregator.core.model import Batch, Block, Committed
 from blockagg.config import loads
 from blockagg.proto.envelope import make_envelope
 from blockagg.rows.deadletters import DeadLetter
+from blockagg.rows.partition import Message, build_batch
 from blockagg.spark.components import StaticRegistry
 from blockagg.spark.exceptions import TaskContractError
 from blockagg.spark.offsets import PlannedRange
-from blockagg.spark.task import Message, TaskContext, build_batch, reason_label, run_partition
+from blockagg.spark.task import TaskContext, reason_label, run_partition
 
 CONFIG = """
 [job]
