@@ -28,8 +28,10 @@ ROOT_MODULES = frozenset({"blockagg", "blockagg.exceptions", "blockagg.config", 
 
 PROTO_REACHES_UP: dict[tuple[str, str], str] = {
     ("blockagg.proto.compat", "blockagg.rows.columns"):
-        "compatibility is judged on how each field becomes a column (issue 29 step 2 "
-        "decides whether compat belongs to rows)",
+        "compatibility is judged on how each field becomes a column, and registration "
+        "(proto.registry.register) runs that judgment: moving compat into rows only turns "
+        "the arrow round (registry -> rows.compat); ending it means passing the check into "
+        "register, an API the registration CLI and many tests call",
     ("blockagg.proto.compat", "blockagg.rows.types"): "as above: the column types",
     ("blockagg.proto.compat", "blockagg.rows.exceptions"): "as above: TypeParseError",
     ("blockagg.proto.registry", "blockagg.rows.columns"):
