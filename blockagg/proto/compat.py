@@ -24,6 +24,9 @@ checker where the notion is the same; ``FIELD_NUMBER_CHANGED``,
 columns are matched by field name, Tuple elements by position). Added and removed fields are
 compatible (the reader skips or defaults them) unless a column or a oneof says
 otherwise. Pure: descriptors and ``system.columns`` rows in, differences out.
+
+Above 500 lines because the rules of every compatibility mode for every kind of field change
+form one table, read together so no mode is changed alone.
 """
 
 from __future__ import annotations

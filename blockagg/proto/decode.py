@@ -40,6 +40,9 @@ sorted by key (upb's map order is unspecified; convert with
 oneof members) are null when absent; the others hold the proto3 default, and a map's
 key and value are never null (an absent message value is the empty message).
 Recursive message types are not supported (their Arrow type would be infinite).
+
+Above 500 lines because the lock-step wire decoder's paths (scalars, strings, packed,
+nested) share one buffer layout and its varint kernels.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ offset of the record that introduced it, stamped on the version by every later
 record of the table), so :meth:`Registry.as_of` gives the registry exactly as it was
 at a position, whatever compaction removed since. A version also records the
 ClickHouse columns it was checked against, from which its insert plan is made.
+
+Above 500 lines because the record codec, both stores (memory, Kafka) and registration share
+the record layout and its version rules.
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ What the stages need of the adapters is passed in from the components here.
 ``run_range(ctx, tp, [])`` is the same for a planned range without a visible row (only
 transaction markers or aborted records): the driver runs it, so the final metadata of
 that range is still committed.
+
+Above 500 lines because it is the task's whole contract with Spark: both hand-overs (Arrow
+and rows), the attempt and its fencing, and the report; each stage it calls lives elsewhere.
 """
 
 from __future__ import annotations
