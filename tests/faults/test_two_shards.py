@@ -122,11 +122,13 @@ def test_the_counts_are_read_while_the_producer_adds() -> None:
     produced.dead.update(("a" if i % 2 else "b", 0, i) for i in range(20_000))
     stop = threading.Event()
 
-    def produce() -> None:
-        offset = 20_000
+    def produce() -> None:  # sizes change all the time, yet stay bounded
+        offset = 0
         while not stop.is_set():
-            produced.dead.add(("a", 1, offset))
-            produced.ids.setdefault((offset % 7, f"t{offset}"), []).append(np.zeros(1))
+            produced.dead.add(("a", 1, offset % 1000))
+            produced.dead.discard(("a", 1, (offset + 500) % 1000))
+            produced.ids[(0, f"t{offset % 100}")] = [np.zeros(1)]
+            produced.ids.pop((0, f"t{(offset + 50) % 100}"), None)
             offset += 1
 
     thread = threading.Thread(target=produce, daemon=True)
@@ -138,3 +140,29 @@ def test_the_counts_are_read_while_the_producer_adds() -> None:
     finally:
         stop.set()
         thread.join()
+
+
+def test_the_operators_procedure_waits_for_a_recreated_topics_leaders() -> None:
+    """``topic_recreate`` on three brokers read a new partition's watermarks before its
+    leader was known to the broker asked (``NOT_LEADER_FOR_PARTITION``) and the harness
+    died half-way through the procedure; such errors are retried, others are not."""
+    import pytest
+    from confluent_kafka import KafkaError, KafkaException
+
+    from tests.faults.workload import while_leaders_settle
+
+    answers: list[object] = [KafkaException(KafkaError(KafkaError.NOT_LEADER_FOR_PARTITION)),
+                             KafkaException(KafkaError(KafkaError.LEADER_NOT_AVAILABLE)),
+                             (0, 42)]
+
+    def watermarks() -> object:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert while_leaders_settle(watermarks, 30, sleep=lambda s: None) == (0, 42)
+    with pytest.raises(KafkaException):
+        while_leaders_settle(lambda: (_ for _ in ()).throw(
+            KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))), 30,
+            sleep=lambda s: None)

@@ -241,6 +241,34 @@ class Produced:
                 + sum(n for c, n in tuple(self.kept_dead.items()) if c[0] == topic))
 
 
+LEADERS_SETTLING = frozenset({"NOT_LEADER_FOR_PARTITION", "LEADER_NOT_AVAILABLE",
+                              "UNKNOWN_TOPIC_OR_PART", "NOT_COORDINATOR",
+                              "COORDINATOR_LOAD_IN_PROGRESS", "COORDINATOR_NOT_AVAILABLE",
+                              "_TIMED_OUT", "REQUEST_TIMED_OUT"})
+"""Errors of a request that met a cluster whose leaders are still being elected: a
+topic just created on three brokers, a leader just killed. The operator retries."""
+
+
+def while_leaders_settle(action: Callable[[], Any], timeout: float,
+                         sleep: Callable[[float], None] = time.sleep) -> Any:
+    """``action()``, retried for up to ``timeout`` s while it fails with one of
+    :data:`LEADERS_SETTLING` (the long run's harness died of ``NOT_LEADER_FOR_PARTITION``
+    reading a recreated topic's watermarks, half-way through ``topic_recreate``'s
+    procedure)."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return action()
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            name = error.name() if isinstance(error, KafkaError) else ""
+            if name not in LEADERS_SETTLING or time.monotonic() > deadline:
+                raise
+            sleep(0.5)
+
+
 def accepted_rows(envelopes: Envelopes) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """The rows of the envelopes that parse (a rejected one has none): each row's
     message (its index in the chunk) and its id (field 1, this workload's first bytes)."""
@@ -710,17 +738,23 @@ class Workload:
 
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group,
                              "enable.auto.commit": False})
+        def low(topic: str, partition: int) -> int:
+            return int(while_leaders_settle(lambda: consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=timeout), timeout)[0])
+
         try:
-            earliest = {(t, p): int(consumer.get_watermark_offsets(
-                TopicPartition(t, p), timeout=timeout)[0])
-                for t in self.topics for p in range(self.partitions)}
+            earliest = {(t, p): low(t, p) for t in self.topics for p in range(self.partitions)}
         finally:
             consumer.close()
         admin = AdminClient({"bootstrap.servers": self.bootstrap})
-        [future] = admin.alter_consumer_group_offsets([ConsumerGroupTopicPartitions(
-            self.group, [TopicPartition(t, p, o) for (t, p), o in earliest.items()])
-        ]).values()
-        for moved in future.result(timeout).topic_partitions:
+
+        def alter() -> Any:
+            [future] = admin.alter_consumer_group_offsets([ConsumerGroupTopicPartitions(
+                self.group, [TopicPartition(t, p, o) for (t, p), o in earliest.items()])
+            ]).values()
+            return future.result(timeout)
+
+        for moved in while_leaders_settle(alter, timeout).topic_partitions:
             if moved.error is not None:
                 raise RuntimeError(f"resetting {self.group} on {moved.topic}[{moved.partition}] "
                                    f"to {earliest[moved.topic, moved.partition]}: {moved.error}")
