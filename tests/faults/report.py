@@ -5,7 +5,10 @@ Works on a run still in progress (the driver rewrites the summary after every fa
 first the faults armed that never fired (not counted as injected) and why, then faults
 per kind, job restarts, time to recover (median / p90 / max over the faults that caught
 up within the settle time), every check (interim and final; a check made when the run was
-resumed is marked so), and each resume."""
+resumed is marked so), each shard's rows at every check (two-shard runs), and each resume.
+With ``--job-log`` (the run folder's ``job.log``), also how often the job met a hanging
+transaction on its metadata group at start and what became of it (issue 27 item 6: does
+one occur on three brokers under coordinator kills)."""
 
 from __future__ import annotations
 
@@ -100,9 +103,49 @@ def check_table(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def shard_table(summary: dict[str, Any]) -> list[str]:
+    """Per shard at every check that has shards: each shard is held to its own topic,
+    so totals over both could hide a shard's loss behind the other's duplicates."""
+    checks = list(summary.get("interim_checks") or [])
+    if summary.get("check"):
+        checks.append({"after_faults": "final", **summary["check"]})
+    checks = [c for c in checks if c.get("shards")]
+    if not checks:
+        return []
+    lines = ["| after faults | shard | rows expected | rows stored (first replica) | "
+             "duplicates | missing |", "| --- | --- | --- | --- | --- | --- |"]
+    for c in checks:
+        for shard, s in sorted(c["shards"].items()):
+            lines.append(f"| {c['after_faults']} | {shard} | {s['rows_expected']:,} | "
+                         f"{s['rows_stored']:,} | {s['duplicates']} | {s['missing']} |")
+    return lines
+
+
+HANG_EVENTS = {"met": "healing a hanging transaction", "failed": "healing failed",
+               "refused": "MetadataUnstable"}
+"""What the job logs when a hanging transaction blocks its group's commits at start
+(``spark.driver``): it starts healing, the healing fails, or a start is refused."""
+
+
+def hang_lines(job_log: Path) -> list[str]:
+    """How often each :data:`HANG_EVENTS` line occurs in the job's log, and how many
+    times the job started."""
+    counts = dict.fromkeys(HANG_EVENTS, 0)
+    starts = 0
+    with job_log.open(errors="replace") as lines:
+        for line in lines:
+            starts += "blockagg.job: configuration " in line
+            for key, text in HANG_EVENTS.items():
+                counts[key] += text in line
+    return [f"Hanging transactions on the metadata group, over {starts} job starts "
+            f"({job_log.name}): met {counts['met']}, healing failed {counts['failed']}, "
+            f"start refused as unstable {counts['refused']} (log lines)."]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("summary", type=Path)
+    ap.add_argument("--job-log", type=Path, help="the run folder's job.log")
     args = ap.parse_args(argv)
     summary = json.loads(args.summary.read_text())
     events = summary.get("events") or []
@@ -112,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(fault_table(events)))
     print()
     print("\n".join(check_table(summary)))
+    if shards := shard_table(summary):
+        print()
+        print("\n".join(shards))
+    if args.job_log is not None:
+        print()
+        print("\n".join(hang_lines(args.job_log)))
     for r in summary.get("resumes") or []:
         print(f"\nresumed after {r['after_faults']} faults ({r['at_s']:,.0f} s into the run) "
               f"at commit {r['commit']}: {r['messages_in_topic']:,} messages in the topic, "

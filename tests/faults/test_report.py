@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.faults.report import check_table, fault_table, main
+from tests.faults.report import check_table, fault_table, hang_lines, main, shard_table
 
 EVENTS: list[dict[str, Any]] = [
     {"kind": "driver_kill9", "recover_s": 30.0, "job_starts": 1},
@@ -70,3 +70,28 @@ def test_main_reads_a_run_in_progress(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("4 faults in 61 s") and "| lost_ack | 2 |" in out
+
+
+def test_each_shard_is_a_row_at_each_check() -> None:
+    shards = {"s1": {"rows_expected": 600, "rows_stored": 600, "duplicates": 0, "missing": 0},
+              "s2": {"rows_expected": 400, "rows_stored": 399, "duplicates": 0, "missing": 1}}
+    summary = {"interim_checks": [{"after_faults": 100, **CHECK, "shards": shards}],
+               "check": {**CHECK, "shards": shards}}
+    lines = shard_table(summary)
+    assert lines[2] == "| 100 | s1 | 600 | 600 | 0 | 0 |"
+    assert lines[3] == "| 100 | s2 | 400 | 399 | 0 | 1 |"
+    assert lines[5] == "| final | s2 | 400 | 399 | 0 | 1 |"
+    assert shard_table({"check": CHECK}) == []
+
+
+def test_the_hanging_transactions_are_counted_from_the_job_log(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text(
+        "06:00:08 INFO    blockagg.job: configuration pid=1 config={}\n"
+        "06:00:09 WARNING blockagg.metadata: healing a hanging transaction group=g\n"
+        "06:01:00 INFO    blockagg.job: configuration pid=2 config={}\n"
+        "06:01:01 ERROR   blockagg.metadata: healing failed error=TimeoutException\n"
+        "blockagg.aggregator.kafka.exceptions.MetadataUnstable: the group's commits ...\n")
+    assert hang_lines(log) == [
+        "Hanging transactions on the metadata group, over 2 job starts (job.log): met 1, "
+        "healing failed 1, start refused as unstable 1 (log lines)."]
