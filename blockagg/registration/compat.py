@@ -7,7 +7,8 @@ message's timestamp. So once v2 is registered, bytes that producers still encode
 with v1 are read with v2 (and, when producers switch before the registration,
 v2 bytes are read with v1). If the two disagree on what a field number means, the
 values land in the wrong column or change on the way, and nothing downstream can
-tell: the rows are well-formed. The modes, as Confluent Schema Registry names them:
+tell: the rows are well-formed. The modes (:class:`proto.modes.Mode`, which the
+registry's read side needs too), as Confluent Schema Registry names them:
 
 * ``BACKWARD`` (default): the new version reads data written with the latest one;
 * ``FORWARD``: the latest version reads data written with the new one;
