@@ -175,7 +175,9 @@ class Bench:
         return [f"t{i:03d}" for i in range(self.args.tables)] + ["probe"]
 
     def register(self) -> None:
-        from blockagg.proto.registry import KafkaStore, MemoryStore, register
+        from blockagg.aggregator.kafka.log_store import KafkaStore
+        from blockagg.proto.registry import MemoryStore
+        from blockagg.registration.register import register
 
         fds = row_descriptor_set()
         memory = MemoryStore()

@@ -41,7 +41,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from bench.workload import Rows, ch_client, stack_env
     from blockagg.aggregator.core.model import Committed
     from blockagg.config import loads
-    from blockagg.proto.registry import MemoryStore, RegistryCache, register
+    from blockagg.proto.registry import MemoryStore, RegistryCache
+    from blockagg.registration.register import register
     from blockagg.spark.components import DefaultComponents, make_writer
     from blockagg.spark.offsets import PlannedRange
     from blockagg.spark.task import TaskContext, run_range

@@ -38,7 +38,8 @@ from bench.workload import POOL, Rows, stack_env
 from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica, WriterConfig
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from blockagg.rows.prepare import Message, Plans, prepare
 from tests.faults.workload import COLUMNS, COORDINATES, ROW_MESSAGE, row_descriptor_set, varint
 

@@ -57,20 +57,4 @@ class CompatibilityError(ProtoError):
 
 
 class UnknownMode(CompatibilityError):
-    """A compatibility mode name that is not one of :class:`proto.compat.Mode`."""
-
-
-class IncompatibleSchema(CompatibilityError):
-    """A new version breaks the table's compatibility mode; ``differences`` lists
-    every rule broken (:class:`proto.compat.Difference`), one sentence each."""
-
-    def __init__(self, table: str, mode: str, differences: list[str]) -> None:
-        self.table = table
-        self.mode = mode
-        self.differences = list(differences)
-        lines = "\n".join(f"  - {d}" for d in self.differences)
-        super().__init__(
-            f"{table}: the new version is not {mode} compatible ({len(self.differences)} "
-            f"difference(s)):\n{lines}\nfix the message type, change the table's mode with "
-            f"ba-schema compatibility {table} MODE, or override once with "
-            "--force-incompatible")
+    """A compatibility mode name that is not one of :class:`proto.modes.Mode`."""

@@ -1,19 +1,21 @@
-"""The schema registry: table <-> protobuf message type, versioned, stored in Kafka.
+"""The schema registry's read side: table <-> protobuf message type, versioned.
 
-Storage: a compacted topic (default ``_blockagg_schemas``). Key: the table name
+Storage: a :class:`Store`; in production a compacted Kafka topic (default
+``_blockagg_schemas``, :class:`aggregator.kafka.log_store.KafkaStore`). Key: the table name
 ``database.table`` (UTF-8). Value: a serialized ``blockagg.v1.Registration`` holding
 the table's stable id and *every* version, so compaction (which keeps only the last
 record per key) never loses history. Readers scan the topic from the beginning to
 its end; the last record of a key wins.
 
-Rules, enforced when registering and when reading (a record that breaks them is
-refused, so a bad write can't change what running jobs decode):
+Rules, enforced when registering (:mod:`registration.register`) and when reading (a
+record that breaks them is refused, so a bad write can't change what running jobs
+decode):
 
 * a table's id is assigned at its first registration, never changes and is never
   reused; ids start at 1 (0 is the dead-letter table);
 * versions start at 1 and only grow; an existing version is never changed;
 * registering the same message type and descriptor as the latest version is a no-op;
-* a new version must keep the table's compatibility mode (:mod:`proto.compat`;
+* a new version must keep the table's compatibility mode (:mod:`registration.compat`;
   ``BACKWARD`` by default) against the registered versions, unless forced, and a
   forced version records the differences it overrode.
 
@@ -24,40 +26,30 @@ offset of the record that introduced it, stamped on the version by every later
 record of the table), so :meth:`Registry.as_of` gives the registry exactly as it was
 at a position, whatever compaction removed since. A version also records the
 ClickHouse columns it was checked against, from which its insert plan is made.
-
-Above 500 lines because the record codec, both stores (memory, Kafka) and registration share
-the record layout and its version rules.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Final, Protocol
 
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import DecodeError
 
-from blockagg import logs
 from blockagg.proto.blockagg.v1 import registry_pb2
 from blockagg.proto.descriptors import load_descriptor
-from blockagg.proto.envelope import LATEST, is_table_name
+from blockagg.proto.envelope import LATEST
 from blockagg.proto.exceptions import (
-    CompatibilityError,
-    IncompatibleSchema,
     RegistryDecodeError,
     RegistryError,
     UnknownTable,
     UnknownVersion,
 )
-
-if TYPE_CHECKING:
-    from blockagg.proto.compat import Mode
-    from blockagg.rows.columns import Column
+from blockagg.proto.modes import Mode, parse_mode
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +95,12 @@ class Registration:
     versions: tuple[SchemaVersion, ...]
     compatibility: str = ""
     """The table's compatibility mode as stored (empty: the default,
-    :data:`proto.compat.DEFAULT_MODE`); kept as text so a record naming a mode this
+    :data:`proto.modes.DEFAULT_MODE`); kept as text so a record naming a mode this
     reader doesn't know still decodes."""
 
     @property
     def mode(self) -> Mode:
         """The table's compatibility mode; raises :class:`UnknownMode`."""
-        from blockagg.proto.compat import parse_mode
-
         return parse_mode(self.compatibility)
 
     @property
@@ -218,7 +208,8 @@ class Store(Protocol):
     topic in order, up to its end at the time of the call; ``write`` returns once
     the record is durably written. Stores that also have ``scan()`` (the records
     with their offsets, and the end offset read up to) and ``end()`` (the current
-    end offset, cheaply) give positions: :class:`KafkaStore`, :class:`MemoryStore`."""
+    end offset, cheaply) give positions: :class:`aggregator.kafka.log_store.KafkaStore`,
+    :class:`MemoryStore`."""
 
     def read(self) -> list[tuple[bytes | None, bytes | None]]: ...
 
@@ -264,178 +255,6 @@ def registry_pin(position: int) -> int:
 def pinned_position(pin: int) -> int:
     """The registry position a non-zero ``Pins.registry`` names."""
     return pin - 1
-
-
-def _watermarks(consumer: Any, partition: Any, timeout_s: float) -> tuple[int, int]:
-    """The partition's low and high watermarks, asked again while the broker answers
-    with a retriable error (``NOT_LEADER_FOR_PARTITION`` while a restarted broker takes
-    its partitions back) until ``timeout_s`` passed."""
-    from confluent_kafka import KafkaError, KafkaException
-
-    transient = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-                 KafkaError._TRANSPORT, KafkaError._TIMED_OUT}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            low, high = consumer.get_watermark_offsets(
-                partition, timeout=max(1.0, deadline - time.monotonic()))
-            return int(low), int(high)
-        except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            retriable = isinstance(error, KafkaError) and (
-                error.retriable() or error.code() in transient)
-            if not retriable or time.monotonic() + 0.5 > deadline:
-                raise
-            time.sleep(0.5)
-
-
-class KafkaStore:
-    """The registry topic. ``config`` is librdkafka configuration
-    (``bootstrap.servers``, SASL/TLS settings…), passed through unchanged."""
-
-    def __init__(self, config: Mapping[str, Any], topic: str = DEFAULT_TOPIC,
-                 timeout_s: float = 30.0) -> None:
-        self.config = dict(config)
-        self.topic = topic
-        self.timeout_s = timeout_s
-        self._watcher: Any = None
-
-    def ensure_topic(self, replication_factor: int | None = None) -> None:
-        """Create the topic (1 partition, ``cleanup.policy=compact``) if missing. By
-        default with the durability ``kafka.durability.creation_settings`` gives for the
-        cluster's broker count (RF 3 and ``min.insync.replicas=2`` on three brokers or
-        more, not the broker's default of 1), so the start-up check accepts it."""
-        from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
-
-        from blockagg.aggregator.kafka.durability import creation_settings
-
-        admin = AdminClient(logs.kafka_client_config(self.config))
-        md = admin.list_topics(timeout=self.timeout_s)
-        if self.topic in md.topics:
-            return
-        settings = {"cleanup.policy": "compact"}
-        if replication_factor is None:
-            replication_factor, extra = creation_settings(len(md.brokers))
-            settings.update(extra)
-        futures = admin.create_topics([NewTopic(
-            self.topic, num_partitions=1, replication_factor=replication_factor,
-            config=settings)])
-        for fut in futures.values():
-            try:
-                fut.result(self.timeout_s)
-            except Exception as exc:
-                if "TOPIC_ALREADY_EXISTS" not in str(exc):
-                    raise RegistryError(f"can't create registry topic {self.topic}: {exc}") from exc
-
-    def read(self) -> list[tuple[bytes | None, bytes | None]]:
-        return [(k, v) for _, k, v in self.scan()[0]]
-
-    def end(self) -> int:
-        """The topic's end offset now (one watermark request on a kept consumer):
-        whether a snapshot is current, without reading the topic."""
-        from confluent_kafka import Consumer, KafkaException, TopicPartition
-
-        try:
-            if self._watcher is None:
-                self._watcher = Consumer(logs.kafka_client_config({
-                    **self.config, "group.id": f"blockagg-registry-{uuid.uuid4().hex}",
-                    "enable.auto.commit": False}))
-            md = self._watcher.list_topics(self.topic, timeout=self.timeout_s)
-            topic = md.topics.get(self.topic)
-            if topic is None or topic.error is not None:
-                return 0
-            _single_partition(self.topic, len(topic.partitions))
-            _, high = _watermarks(self._watcher, TopicPartition(self.topic, 0), self.timeout_s)
-            return int(high)
-        except KafkaException as exc:
-            raise RegistryError(f"can't read the end of registry topic {self.topic}: "
-                                f"{exc}") from exc
-
-    def scan(self) -> tuple[list[Entry], int]:
-        """Every record with its offset, up to the end offset at the time of the call,
-        and that end offset (the registry position the records cover)."""
-        from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-
-        conf = {**self.config, "group.id": f"blockagg-registry-{uuid.uuid4().hex}",
-                "enable.auto.commit": False, "auto.offset.reset": "earliest",
-                "enable.partition.eof": True, "isolation.level": "read_committed"}
-        consumer = Consumer(logs.kafka_client_config(conf))
-        try:
-            md = consumer.list_topics(self.topic, timeout=self.timeout_s)
-            topic = md.topics.get(self.topic)
-            if topic is None or topic.error is not None:
-                return [], 0
-            _single_partition(self.topic, len(topic.partitions))
-            ends: dict[int, int] = {}
-            parts = []
-            low, high = _watermarks(consumer, TopicPartition(self.topic, 0), self.timeout_s)
-            if high > low:
-                ends[0] = high
-                parts.append(TopicPartition(self.topic, 0, low))
-            records: list[Entry] = []
-            if not parts:
-                return records, int(high)
-            consumer.assign(parts)
-            deadline = time.monotonic() + self.timeout_s
-            while ends:
-                if time.monotonic() > deadline:
-                    raise RegistryError(
-                        f"timed out reading registry topic {self.topic} to its end")
-                msg = consumer.poll(1.0)
-                if msg is None:
-                    continue
-                error = msg.error()
-                partition = int(msg.partition() or 0)
-                if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF:
-                        ends.pop(partition, None)
-                        continue
-                    raise RegistryError(f"reading {self.topic}: {error}")
-                offset = int(msg.offset() or 0)
-                records.append((offset, msg.key(), msg.value()))
-                if offset + 1 >= ends.get(partition, 0):
-                    ends.pop(partition, None)
-            return records, int(high)
-        except KafkaException as exc:
-            raise RegistryError(f"can't read registry topic {self.topic}: {exc}") from exc
-        finally:
-            consumer.close()
-
-    def write(self, key: bytes, value: bytes) -> None:
-        """Write one record, creating the topic first if it is missing (compacted, with
-        the durability :meth:`ensure_topic` gives it), never by the broker's
-        ``auto.create.topics.enable`` (its defaults: ``cleanup.policy=delete``, which
-        drops registrations after the retention, and ``default.replication.factor``)."""
-        from confluent_kafka import KafkaException, Producer
-
-        try:
-            self.ensure_topic()
-        except KafkaException as exc:
-            raise RegistryError(f"can't read the topics of the cluster to write to registry "
-                                f"topic {self.topic}: {exc}") from exc
-        producer = Producer(logs.kafka_client_config(
-            {**self.config, "enable.idempotence": True, "acks": "all"}))
-        errors: list[str] = []
-
-        def done(err: Any, msg: Any) -> None:
-            if err is not None:
-                errors.append(str(err))
-        try:
-            producer.produce(self.topic, key=key, value=value, on_delivery=done)
-            left = producer.flush(self.timeout_s)
-        except KafkaException as exc:
-            raise RegistryError(f"can't write to registry topic {self.topic}: {exc}") from exc
-        if left or errors:
-            raise RegistryError(f"registration for {key.decode()} was not acknowledged by "
-                                f"{self.topic}: {errors or 'timeout'}")
-
-
-def _single_partition(topic: str, partitions: int) -> None:
-    if partitions != 1:
-        raise RegistryError(
-            f"registry topic {topic} has {partitions} partitions; it must have exactly one "
-            "(positions and the order of registrations are per partition): point "
-            "[schemas] topic at a topic with one partition and cleanup.policy=compact")
 
 
 class Registry:
@@ -555,59 +374,6 @@ class Registry:
         v = self.get(table).version(version)
         return v.version, v.descriptor
 
-    def next_registration(self, table: str, message_name: str, file_descriptor_set: bytes,
-                          now_ms: int | None = None, *,
-                          compatibility: Mode | None = None,
-                          columns: Sequence[Column] | None = None,
-                          force: bool = False) -> Registration | None:
-        """The registration that adds this message type as a new version of
-        ``table``, or None when the latest version is identical.
-
-        The new version must keep the table's compatibility mode against the
-        registered versions, judged with the live ``columns`` when given
-        (:func:`proto.compat.check`); otherwise :class:`IncompatibleSchema` is raised,
-        unless ``force``, which records the differences in the new version.
-        ``compatibility`` sets the mode of a new table; for a registered table it
-        must be the table's mode (change it with :func:`set_compatibility`)."""
-        if not is_table_name(table):
-            raise RegistryError(f"table {table!r} is not 'database.table'")
-        descriptor = load_descriptor(file_descriptor_set, message_name)
-        stamp = int(time.time() * 1000) if now_ms is None else now_ms
-        old = self._by_table.get(table)
-        if old is not None:
-            # Registration times grow with versions, so "latest at time T" is the
-            # highest version registered by T, and a new version never takes effect
-            # for messages stamped before an existing one did.
-            stamp = max(stamp, max(v.registered_at_ms for v in old.versions) + 1)
-        recorded = () if columns is None else tuple(
-            (c.name, c.type, c.default_kind, c.default_expression) for c in columns)
-        if old is None:
-            table_id = max(self._by_id, default=0) + 1
-            mode = "" if compatibility is None else compatibility.value
-            return Registration(table, table_id, (SchemaVersion(
-                1, message_name, file_descriptor_set, stamp, columns=recorded),), mode)
-        if compatibility is not None and compatibility != old.mode:
-            raise CompatibilityError(
-                f"{table} has compatibility mode {old.mode}, not {compatibility}; change it "
-                f"first with ba-schema compatibility {table} {compatibility}")
-        latest = old.latest
-        if (latest.message_name, latest.file_descriptor_set) == (message_name,
-                                                                 file_descriptor_set) and (
-                latest.columns or not recorded):
-            # Identical: a no-op, unless it records the columns the latest version was
-            # registered without (a new version, so its plan is pinned from now on).
-            return None
-        from blockagg.proto.compat import check
-
-        differences = [str(d) for d in check(
-            old.mode, descriptor, [(v.version, v.descriptor) for v in old.versions], columns)]
-        if differences and not force:
-            raise IncompatibleSchema(table, old.mode.value, differences)
-        return Registration(table, old.table_id, (*old.versions, SchemaVersion(
-            latest.version + 1, message_name, file_descriptor_set, stamp,
-            tuple(differences), columns=recorded)), old.compatibility)
-
-
 def _positioned(reg: Registration, offset: int,
                 current: Mapping[str, Registration]) -> Registration:
     """``reg`` (read at ``offset``) with every version's visibility position: as
@@ -638,58 +404,6 @@ def _check_successor(old: Registration | None, new: Registration,
         raise RegistryError(f"{new.table} changes table id {old.table_id} -> {new.table_id}")
     if new.versions[: len(old.versions)] != old.versions:
         raise RegistryError(f"{new.table} rewrites existing versions")
-
-
-def register(store: Store, table: str, message_name: str, file_descriptor_set: bytes,
-             now_ms: int | None = None, *, compatibility: Mode | None = None,
-             columns: Sequence[Column] | None = None,
-             force: bool = False) -> tuple[Registration, bool]:
-    """Write a new version of ``table`` (re-reading the topic first and after, so a
-    concurrent registration is detected). Returns the registration and whether a
-    record was written (False: identical to the latest version).
-
-    The version's ``registered_at_ms`` is ``now_ms`` (default: this host's clock),
-    raised if needed above every earlier version's: messages with
-    ``schema_version = 0`` stamped at or after it decode with the new version.
-    A version that breaks the table's compatibility mode raises
-    :class:`IncompatibleSchema` before anything is written, unless ``force``
-    (see :meth:`Registry.next_registration`)."""
-    registry = Registry.load(store)
-    new = registry.next_registration(table, message_name, file_descriptor_set, now_ms,
-                                     compatibility=compatibility, columns=columns,
-                                     force=force)
-    if new is None:
-        return registry.get(table), False
-    if new.latest.forced_incompatibilities:
-        log.warning("registering %s version %d against its %s compatibility mode "
-                    "(--force-incompatible): %s", table, new.latest.version, new.mode.value,
-                    "; ".join(new.latest.forced_incompatibilities))
-    return _write(store, new), True
-
-
-def set_compatibility(store: Store, table: str, mode: Mode) -> tuple[Registration, bool]:
-    """Set the compatibility mode of registered ``table`` (Confluent's per-subject
-    config); it applies to the versions registered from now on. Returns the
-    registration and whether a record was written."""
-    old = Registry.load(store).get(table)
-    if old.compatibility == mode.value:
-        return old, False
-    new = replace(old, compatibility=mode.value)
-    return _write(store, new), True
-
-
-def _write(store: Store, new: Registration) -> Registration:
-    """Write ``new``; return it as read back (with the new version's position)."""
-    store.write(new.table.encode(), new.encode())
-    after = Registry.load(store).get(new.table)
-    stamped = {v.version for v in new.versions if v.position}
-    if replace(after, versions=tuple(v if v.version in stamped else replace(v, position=0)
-                                     for v in after.versions)) != new:
-        raise RegistryError(
-            f"a concurrent registration of {new.table} won (now version "
-            f"{after.latest.version}, id {after.table_id}); check with ba-schema show "
-            f"{new.table} and retry")
-    return after
 
 
 class RegistryCache:
@@ -782,11 +496,3 @@ class RegistryCache:
         if found is None:
             found = self.reload().table_id(table)
         return found
-
-
-def from_config(config: Any) -> RegistryCache:
-    """The registry of a job configuration (``blockagg.config.Config``): the
-    ``[schemas] topic`` read with the job's Kafka client settings."""
-    return RegistryCache(KafkaStore(dict(config.kafka.librdkafka_config()),
-                                    config.schemas.topic),
-                         refresh_interval_s=config.schemas.refresh_interval)

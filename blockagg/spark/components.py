@@ -94,7 +94,7 @@ class DefaultComponents:
 
     def registry(self, config: Config) -> TableRegistry:
         def make() -> TableRegistry:
-            from blockagg.proto.registry import from_config
+            from blockagg.aggregator.kafka.log_store import from_config
 
             registry: TableRegistry = from_config(config)
             return registry

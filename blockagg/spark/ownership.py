@@ -142,7 +142,7 @@ def _stored_conflicts(config: Config, topic: str, shard: TopicConfig,
 
 def _registered_tables(config: Config) -> list[str]:
     """The tables the job can route to: every table of the schema registry."""
-    from blockagg.proto.registry import from_config
+    from blockagg.aggregator.kafka.log_store import from_config
 
     return sorted(from_config(config).current().tables().values())
 

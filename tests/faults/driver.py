@@ -552,7 +552,8 @@ def _intent_table(workload: Workload, metadata: str, rng: random.Random) -> str:
     """A table that a block of the intent ``metadata`` goes to (drawn with ``rng``; any
     of the run's tables when the intent lists only dead letters)."""
     from blockagg.aggregator.core.metadata import DEAD_LETTER_TABLE_ID, decode
-    from blockagg.proto.registry import KafkaStore, Registry
+    from blockagg.aggregator.kafka.log_store import KafkaStore
+    from blockagg.proto.registry import Registry
 
     ids = sorted({b.table_id for b in decode(metadata).blocks} - {DEAD_LETTER_TABLE_ID})
     if not ids:

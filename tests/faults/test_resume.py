@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from tests.faults.workload import (
     ROW_MESSAGE,
     V1,

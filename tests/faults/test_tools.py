@@ -88,7 +88,8 @@ def test_schema_changes_and_the_value_check(workload: Workload, stack: StackCont
     import datetime
     import random
 
-    from blockagg.proto.registry import KafkaStore, Registry
+    from blockagg.aggregator.kafka.log_store import KafkaStore
+    from blockagg.proto.registry import Registry
 
     rng = random.Random(1)
     workload.produce(20)

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from blockagg.config import load
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from tests.faults import checker
 from tests.faults.test_resume import _Delivered
 from tests.faults.workload import ROW_MESSAGE, Workload, row_descriptor_set

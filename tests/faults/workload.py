@@ -58,9 +58,11 @@ from typing import Any
 
 import numpy as np
 
+from blockagg.aggregator.kafka.log_store import KafkaStore
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import Envelopes, make_envelope, parse_envelopes
-from blockagg.proto.registry import KafkaStore, MemoryStore, Registration, Registry, register
+from blockagg.proto.registry import MemoryStore, Registration, Registry
+from blockagg.registration.register import register
 from blockagg.rows.deadletters import dead_letter_ddl
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -962,7 +964,7 @@ class Workload:
         """``ba-schema register`` (in-process), checked against the live columns."""
         from click.testing import CliRunner
 
-        from blockagg.proto.cli import cli as ba_schema
+        from blockagg.registration.cli import cli as ba_schema
 
         path = folder / f"{table}.v{schema.version}.pb"
         path.write_bytes(evolved_descriptor_set(schema))

@@ -20,7 +20,8 @@ from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from blockagg.rows.deadletters import dead_letter_ddl
 from blockagg.rows.prepare import Message, Plans, prepare
 from tests.integration.conftest import replicated_engine

@@ -497,7 +497,7 @@ def make_job(tmp: Path, stack_env: dict[str, str], topic: str, database: str,
     """Tables on both replicas, schemas registered with ``ba-schema``, the job TOML."""
     from click.testing import CliRunner
 
-    from blockagg.proto.cli import cli as ba_schema
+    from blockagg.registration.cli import cli as ba_schema
     from blockagg.rows.deadletters import dead_letter_ddl
 
     for client in clients:
@@ -569,7 +569,7 @@ def test_three_tables_three_partitions_with_transactions_and_an_abort_are_exact(
     # tests/integration/test_startup_refusals.py.)
     from click.testing import CliRunner
 
-    from blockagg.proto.cli import cli as ba_schema
+    from blockagg.registration.cli import cli as ba_schema
 
     unrelated = f"{chjob.database}.unrelated"
     env = chjob.stack_env

@@ -49,7 +49,7 @@ def _narrow(job: ChJob, short: str, window: int, register: bool = True) -> str:
 def _register(job: ChJob, table: str, message: str) -> None:
     from click.testing import CliRunner
 
-    from blockagg.proto.cli import cli as ba_schema
+    from blockagg.registration.cli import cli as ba_schema
 
     env = job.stack_env
     res = CliRunner().invoke(ba_schema, [

@@ -254,7 +254,7 @@ class Evolution:
     def ba_schema(self, *args: str) -> str:
         from click.testing import CliRunner
 
-        from blockagg.proto.cli import cli as ba_schema
+        from blockagg.registration.cli import cli as ba_schema
 
         res = CliRunner().invoke(ba_schema, ["--bootstrap-servers", self.bootstrap,
                                              "--topic", self.schema_topic,

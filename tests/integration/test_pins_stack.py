@@ -16,10 +16,12 @@ import pytest
 from blockagg.aggregator.core.metadata import DedupMode, Pins, decode
 from blockagg.aggregator.core.model import Committed
 from blockagg.aggregator.kafka.incarnation import TopicIncarnations
+from blockagg.aggregator.kafka.log_store import KafkaStore
 from blockagg.config import loads
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import KafkaStore, Registry, RegistryCache, register, registry_pin
+from blockagg.proto.registry import Registry, RegistryCache, registry_pin
+from blockagg.registration.register import register
 from blockagg.rows.deadletters import dead_letter_ddl
 from blockagg.spark import components
 from blockagg.spark.components import DefaultComponents

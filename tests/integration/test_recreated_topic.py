@@ -24,10 +24,11 @@ import pytest
 from blockagg.aggregator.clickhouse.exceptions import CoordinatesInUse
 from blockagg.aggregator.core.metadata import decode
 from blockagg.aggregator.kafka.incarnation import TopicIncarnations
+from blockagg.aggregator.kafka.log_store import KafkaStore
 from blockagg.config import Config, loads
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import KafkaStore, register
+from blockagg.registration.register import register
 from blockagg.rows.deadletters import dead_letter_ddl
 from blockagg.spark import components
 from blockagg.spark.components import DefaultComponents

@@ -24,7 +24,8 @@ from blockagg.aggregator.core.protocol import InsertBlock, plan_batch, run_batch
 from blockagg.aggregator.kafka.exceptions import AttemptFenced
 from blockagg.aggregator.kafka.metadata_store import KafkaMetadataStore
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from blockagg.rows.prepare import Message, Plans, prepare
 from tests.integration.conftest import replicated_engine
 from tests.integration.test_clickhouse_writer import (

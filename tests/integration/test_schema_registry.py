@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from blockagg.proto.cli import cli
-from blockagg.proto.registry import KafkaStore, Registry
+from blockagg.aggregator.kafka.log_store import KafkaStore
+from blockagg.proto.registry import Registry
+from blockagg.registration.cli import cli
 from tests.integration.conftest import replicated_engine
 
 pytestmark = pytest.mark.integration

@@ -225,7 +225,7 @@ def _one_line(text: str, *names: str) -> str:
 
 
 def test_ba_schema_with_kafka_or_clickhouse_down(job: Job) -> None:
-    from blockagg.proto.cli import cli as ba_schema
+    from blockagg.registration.cli import cli as ba_schema
 
     register = ["register", f"{job.database}.orders", "--proto", str(job.proto_file),
                 "--message", "firstday.v1.Order"]
@@ -245,7 +245,7 @@ def test_ba_schema_with_kafka_or_clickhouse_down(job: Job) -> None:
 
 
 def test_ba_schema_help_names_the_environment_default() -> None:
-    from blockagg.proto.cli import cli as ba_schema
+    from blockagg.registration.cli import cli as ba_schema
 
     res = CliRunner().invoke(ba_schema, ["--help"])
     assert "$BLOCKAGG_BOOTSTRAP_SERVERS" in " ".join(res.output.split())

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from blockagg.aggregator.clickhouse.exceptions import ClickHouseTlsFailed
 from blockagg.aggregator.clickhouse.startup import check_replicas, driver_check
-from blockagg.proto.cli import cli as ba_schema
+from blockagg.registration.cli import cli as ba_schema
 from blockagg.tls import tls_arguments
 from blockagg.verifier.cli import cli as arv
 from tests.integration.test_job_clickhouse import TABLES, ChJob, make_job

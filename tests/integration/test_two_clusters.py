@@ -101,7 +101,7 @@ def _job(tmp: Path, stack_env: dict[str, str], bootstrap: str, topic: str, datab
 
     from click.testing import CliRunner
 
-    from blockagg.proto.cli import cli as ba_schema
+    from blockagg.registration.cli import cli as ba_schema
 
     tmp.mkdir()
     env_stack = {**stack_env, "BLOCKAGG_BOOTSTRAP_SERVERS": bootstrap}

@@ -143,7 +143,7 @@ class Job:
         """``ba-schema register``; asserts its exit code, returns click's result."""
         from click.testing import CliRunner
 
-        from blockagg.proto.cli import cli as ba_schema
+        from blockagg.registration.cli import cli as ba_schema
 
         res = CliRunner().invoke(ba_schema, [
             "--bootstrap-servers", self.bootstrap, "--topic", self.schema_topic,

@@ -3,11 +3,14 @@
 Message bytes -> envelope and pinned registry view (``proto``) -> typed columns and
 dead-letter decisions (``rows``, pure) -> the core (``aggregator/core``: blocks,
 metadata, plan) -> the adapters (``aggregator/kafka``, ``aggregator/clickhouse``) ->
-the Spark shell (``spark``) -> the verifier. The shared concerns (the root error,
-config, logging, TLS settings) sit at the package root, where everything may import
-them. Parsed from the source (every ``import``, inside functions and ``TYPE_CHECKING``
-blocks too: a lazy import hides a dependency from the reader, not from the graph), so
-an import that climbs back up a layer, or closes a circle, fails here with its file.
+the Spark shell (``spark``) -> the verifier. Registration (``registration``: new
+versions judged on how each field becomes a column, and ``ba-schema``) writes what
+``proto`` reads; it sits beside the shell, above rows and the adapters. The shared
+concerns (the root error, config, logging, TLS settings) sit at the package root,
+where everything may import them. Parsed from the source (every ``import``, inside
+functions and ``TYPE_CHECKING`` blocks too: a lazy import hides a dependency from the
+reader, not from the graph), so an import that climbs back up a layer, or closes a
+circle, fails here with its file.
 """
 
 from __future__ import annotations
@@ -25,21 +28,6 @@ GENERATED = "blockagg.proto.blockagg"
 
 ROOT_MODULES = frozenset({"blockagg", "blockagg.exceptions", "blockagg.config", "blockagg.logs",
                           "blockagg.tls", "blockagg.cli_tls"})
-
-PROTO_REACHES_UP: dict[tuple[str, str], str] = {
-    ("blockagg.proto.compat", "blockagg.rows.columns"):
-        "compatibility is judged on how each field becomes a column, and registration "
-        "(proto.registry.register) runs that judgment: moving compat into rows only turns "
-        "the arrow round (registry -> rows.compat); ending it means passing the check into "
-        "register, an API the registration CLI and many tests call",
-    ("blockagg.proto.compat", "blockagg.rows.types"): "as above: the column types",
-    ("blockagg.proto.compat", "blockagg.rows.exceptions"): "as above: TypeParseError",
-    ("blockagg.proto.registry", "blockagg.rows.columns"):
-        "a registered version records the live columns it was checked against",
-    ("blockagg.proto.registry", "blockagg.aggregator.kafka.durability"):
-        "the registry's Kafka store creates its compacted topic with the durable settings",
-}
-"""proto's imports above its layer, each with the reason it is still there."""
 
 
 def module_name(path: Path) -> str:
@@ -138,10 +126,26 @@ def test_an_adapter_imports_only_the_core_the_stages_itself_and_the_root(
                                       "blockagg.proto")) == []
 
 
-def test_proto_reaches_above_its_layer_only_where_named(graph: dict[str, set[str]]) -> None:
-    """``ba-schema`` (``proto/cli.py``) is a shell: it checks tables on a server."""
-    shell = {m: t for m, t in graph.items() if m != "blockagg.proto.cli"}
-    assert bad_edges(shell, "blockagg.proto", ("blockagg.proto",), PROTO_REACHES_UP) == []
+def test_proto_imports_only_itself_and_the_root(graph: dict[str, set[str]]) -> None:
+    """The envelope, the registry's read side and the decoder: no column, no Kafka
+    client (issue 29: the compatibility judgment, registration and ``ba-schema`` moved
+    to ``registration``, the Kafka store to ``aggregator/kafka/log_store``)."""
+    assert bad_edges(graph, "blockagg.proto", ("blockagg.proto",)) == []
+
+
+def test_registration_imports_only_the_stages_the_adapters_itself_and_the_root(
+        graph: dict[str, set[str]]) -> None:
+    """Registration judges with the column mapping (rows) and checks live tables and
+    topics (the adapters); never the Spark shell or the verifier."""
+    assert bad_edges(graph, "blockagg.registration", (
+        "blockagg.registration", "blockagg.proto", "blockagg.rows", "blockagg.aggregator")) == []
+
+
+def test_nothing_in_the_job_imports_registration(graph: dict[str, set[str]]) -> None:
+    """The job reads the registry (``proto``); only ``ba-schema`` writes it."""
+    assert sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                  if under(t, "blockagg.registration")
+                  and not under(m, "blockagg.registration")) == []
 
 
 def test_the_spark_shell_and_the_verifier_sit_on_top(graph: dict[str, set[str]]) -> None:

@@ -29,7 +29,7 @@ def test_proto_plus_and_blockagg_import_side_by_side() -> None:
     packages are importable): ``proto`` is proto-plus, and blockagg's registry, CLI
     and job modules import beside it."""
     code = (
-        "import proto, blockagg.proto.registry, blockagg.proto.cli, blockagg.spark.task\n"
+        "import proto, blockagg.proto.registry, blockagg.registration.cli, blockagg.spark.task\n"
         "import blockagg.verifier.cli, blockagg.aggregator.core.protocol\n"
         "assert hasattr(proto, 'Message') and hasattr(proto, 'Field'), proto.__file__\n"
         "assert 'blockagg' not in proto.__file__, proto.__file__\n"

@@ -199,7 +199,7 @@ class OwnersStore:
 
     def __init__(self, config: Mapping[str, Any], topic: str = DEFAULT_TOPIC,
                  timeout_s: float = 15.0) -> None:
-        from blockagg.proto.registry import KafkaStore
+        from blockagg.aggregator.kafka.log_store import KafkaStore
 
         self.config = {k: v for k, v in config.items()}
         self.topic = topic

@@ -16,7 +16,8 @@ from blockagg.aggregator.clickhouse.writer import ClickHouseBlockWriter, Replica
 from blockagg.aggregator.core.model import Batch, Block, block_token
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from blockagg.rows.columns import Column
 from blockagg.rows.prepare import Message, Plans, prepare
 from blockagg.rows.types import default_value, parse_type, zero_value

@@ -14,7 +14,8 @@ import pytest
 from blockagg.aggregator.clickhouse.exceptions import TableNotFound
 from blockagg.proto.descriptors import compile_proto
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from blockagg.rows.columns import Column
 from blockagg.rows.prepare import Plans, prepare_envelopes
 from tests.unit.clickhouse.test_prepare_pins import V1_COLUMNS, Live, encode

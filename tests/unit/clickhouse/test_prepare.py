@@ -7,7 +7,8 @@ from google.protobuf.descriptor import Descriptor
 
 from blockagg.proto.descriptors import message_class
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from blockagg.rows.columns import Column, Rows
 from blockagg.rows.deadletters import DeadLetter
 from blockagg.rows.prepare import Message, Plans, prepare

@@ -19,7 +19,8 @@ from blockagg.aggregator.core.model import Batch, Thresholds
 from blockagg.aggregator.core.protocol import plan_batch
 from blockagg.proto.descriptors import message_class
 from blockagg.proto.envelope import make_envelope, parse_envelope, parse_envelopes
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from blockagg.rows.columns import Column, Payloads, Rows
 from blockagg.rows.deadletters import DeadLetter
 from blockagg.rows.prepare import (

@@ -19,7 +19,8 @@ from blockagg.aggregator.core.metadata import DedupMode, Pins
 from blockagg.aggregator.core.model import Batch, Block
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from blockagg.rows.columns import Column, Rows
 from blockagg.rows.deadletters import DeadLetter
 from blockagg.rows.exceptions import ColumnsChanged

@@ -25,7 +25,8 @@ from blockagg.aggregator.core.protocol import plan_batch
 from blockagg.proto.decode import decode_in_place
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, Registry, register
+from blockagg.proto.registry import MemoryStore, Registry
+from blockagg.registration.register import register
 from blockagg.rows import columns as rows_module
 from blockagg.rows.columns import Column, Payloads, Rows
 from blockagg.rows.deadletters import DeadLetter

@@ -305,7 +305,8 @@ def test_plans_of_a_recorded_version_fill_the_column_the_live_table_gained(
     ``_incarnation`` inserts it once the live table has it, and not after it is gone."""
     from blockagg.proto.descriptors import compile_proto, load_descriptor
     from blockagg.proto.envelope import make_envelope
-    from blockagg.proto.registry import MemoryStore, Registry, register
+    from blockagg.proto.registry import MemoryStore, Registry
+    from blockagg.registration.register import register
     from blockagg.rows.prepare import Message, Plans, prepare
 
     path = tmp_path / "v.proto"

@@ -4,23 +4,20 @@ checks the topic's end on ``refresh_interval`` and re-reads up to a pinned posit
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from blockagg.proto.compat import Mode
 from blockagg.proto.descriptors import compile_proto
 from blockagg.proto.exceptions import RegistryError, UnknownVersion
+from blockagg.proto.modes import Mode
 from blockagg.proto.registry import (
     MemoryStore,
     Registration,
     Registry,
     RegistryCache,
     pinned_position,
-    register,
     registry_pin,
-    set_compatibility,
 )
+from blockagg.registration.register import register, set_compatibility
 from blockagg.rows.columns import Column
 
 T0 = 1_700_000_000_000
@@ -171,30 +168,3 @@ def test_cache_reads_up_to_a_pinned_position_it_has_not_seen(fds: bytes) -> None
     assert cache.at(1) is cache.at(1)                          # views are kept
     with pytest.raises(RegistryError, match="recreated or truncated"):
         cache.at(5)
-
-
-def test_watermarks_are_asked_again_while_a_restarted_broker_takes_its_partitions_back(
-        monkeypatch: Any) -> None:
-    """Seen in CI right after a kill -9 of the broker: NOT_LEADER_FOR_PARTITION for a
-    moment, then the answer. A non-transient error is raised at once."""
-    from confluent_kafka import KafkaError, KafkaException
-
-    from blockagg.proto import registry as registry_module
-
-    monkeypatch.setattr("blockagg.proto.registry.time.sleep", lambda s: None)
-
-    class Consumer:
-        def __init__(self, errors: list[int]) -> None:
-            self.errors = errors
-            self.calls = 0
-
-        def get_watermark_offsets(self, partition: Any, timeout: float) -> tuple[int, int]:
-            self.calls += 1
-            if self.errors:
-                raise KafkaException(KafkaError(self.errors.pop(0)))
-            return 3, 9
-
-    flaky = Consumer([KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE])
-    assert registry_module._watermarks(flaky, None, 30.0) == (3, 9) and flaky.calls == 3
-    with pytest.raises(KafkaException):
-        registry_module._watermarks(Consumer([KafkaError.TOPIC_AUTHORIZATION_FAILED]), None, 30.0)

@@ -7,7 +7,8 @@ import pytest
 
 from blockagg.proto.descriptors import compile_proto
 from blockagg.proto.exceptions import UnknownTable, UnknownVersion
-from blockagg.proto.registry import MemoryStore, Registry, RegistryCache, register
+from blockagg.proto.registry import MemoryStore, Registry, RegistryCache
+from blockagg.registration.register import register
 
 T0 = 1_700_000_000_000
 

@@ -37,7 +37,8 @@ from blockagg.aggregator.core.model import Batch, Block, Committed
 from blockagg.config import loads
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, Registry, RegistryCache, register
+from blockagg.proto.registry import MemoryStore, Registry, RegistryCache
+from blockagg.registration.register import register
 from blockagg.rows.columns import Column
 from blockagg.spark import components, task
 from blockagg.spark.offsets import PlannedRange

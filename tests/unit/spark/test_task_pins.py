@@ -14,7 +14,8 @@ from blockagg.aggregator.core.model import Batch, Block, Committed
 from blockagg.config import loads
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.envelope import make_envelope
-from blockagg.proto.registry import MemoryStore, RegistryCache, register, registry_pin
+from blockagg.proto.registry import MemoryStore, RegistryCache, registry_pin
+from blockagg.registration.register import register
 from blockagg.rows.columns import Column, Rows
 from blockagg.rows.deadletters import DeadLetter
 from blockagg.spark import components, task

@@ -1,4 +1,4 @@
-"""Compatibility rules (``proto.compat``) on descriptors compiled from small .proto
+"""Compatibility rules (``registration.compat``) on descriptors compiled from small .proto
 sources, with and without the live table's columns, and hypothesis properties on
 generated descriptors."""
 
@@ -16,10 +16,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from blockagg.exceptions import BlockaggError
-from blockagg.proto.compat import DEFAULT_MODE, Direction, Mode, check, differences, parse_mode
 from blockagg.proto.decode import decode_rows
 from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 from blockagg.proto.exceptions import UnknownMode
+from blockagg.proto.modes import DEFAULT_MODE, Direction, Mode, parse_mode
+from blockagg.registration.compat import check, differences
 from blockagg.rows.columns import Column
 from blockagg.rows.types import convert_column, field_mismatch, parse_type
 

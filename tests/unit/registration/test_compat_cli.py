@@ -10,10 +10,12 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from blockagg.proto.cli import Context, cli
-from blockagg.proto.compat import Mode
-from blockagg.proto.exceptions import CompatibilityError, IncompatibleSchema
-from blockagg.proto.registry import MemoryStore, Registration, Registry, register, set_compatibility
+from blockagg.proto.exceptions import CompatibilityError
+from blockagg.proto.modes import Mode
+from blockagg.proto.registry import MemoryStore, Registration, Registry
+from blockagg.registration.cli import Context, cli
+from blockagg.registration.exceptions import IncompatibleSchema
+from blockagg.registration.register import register, set_compatibility
 from blockagg.rows.columns import Column
 
 COLUMNS = [Column("a", "Int32"), Column("b", "Int32"), Column("_offset", "UInt64")]

@@ -7,7 +7,8 @@ message's timestamp. So once v2 is registered, bytes that producers still encode
 with v1 are read with v2 (and, when producers switch before the registration,
 v2 bytes are read with v1). If the two disagree on what a field number means, the
 values land in the wrong column or change on the way, and nothing downstream can
-tell: the rows are well-formed. The modes, as Confluent Schema Registry names them:
+tell: the rows are well-formed. The modes (:class:`proto.modes.Mode`, which the
+registry's read side needs too), as Confluent Schema Registry names them:
 
 * ``BACKWARD`` (default): the new version reads data written with the latest one;
 * ``FORWARD``: the latest version reads data written with the new one;
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from functools import lru_cache
 from typing import Final
 
@@ -41,58 +41,12 @@ from google.protobuf import descriptor_pb2
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 
 from blockagg.proto.descriptors import is_repeated
-from blockagg.proto.exceptions import UnknownMode
+from blockagg.proto.modes import Direction, Mode
 from blockagg.rows.columns import WRITER_COLUMNS, Column, match_columns
 from blockagg.rows.exceptions import TypeParseError
 from blockagg.rows.types import INT_RANGES, TIMESTAMP, CHType, parse_type
 
 _T = FieldDescriptor
-
-
-class Direction(StrEnum):
-    """Which version reads which: ``BACKWARD`` = the new version reads the previous
-    one's data; ``FORWARD`` = the previous version reads the new one's."""
-
-    BACKWARD = "BACKWARD"
-    FORWARD = "FORWARD"
-
-
-class Mode(StrEnum):
-    BACKWARD = "BACKWARD"
-    BACKWARD_TRANSITIVE = "BACKWARD_TRANSITIVE"
-    FORWARD = "FORWARD"
-    FORWARD_TRANSITIVE = "FORWARD_TRANSITIVE"
-    FULL = "FULL"
-    FULL_TRANSITIVE = "FULL_TRANSITIVE"
-    NONE = "NONE"
-
-    @property
-    def directions(self) -> tuple[Direction, ...]:
-        base = self.value.removesuffix("_TRANSITIVE")
-        if base == "NONE":
-            return ()
-        if base == "FULL":
-            return (Direction.BACKWARD, Direction.FORWARD)
-        return (Direction(base),)
-
-    @property
-    def transitive(self) -> bool:
-        return self.value.endswith("_TRANSITIVE")
-
-
-DEFAULT_MODE: Final = Mode.BACKWARD
-
-
-def parse_mode(text: str) -> Mode:
-    """The mode named ``text`` (any case; empty = :data:`DEFAULT_MODE`, which is how
-    registrations written before modes existed read)."""
-    if not text:
-        return DEFAULT_MODE
-    try:
-        return Mode(text.strip().upper())
-    except ValueError:
-        raise UnknownMode(f"unknown compatibility mode {text!r}; use one of "
-                          f"{', '.join(m.value for m in Mode)}") from None
 
 
 @dataclass(frozen=True)

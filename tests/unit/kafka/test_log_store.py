@@ -1,7 +1,10 @@
-"""The compacted topics blockagg creates (registry, ownership records) are created safe
+"""The compacted single-partition log on Kafka (``aggregator.kafka.log_store``).
+
+The compacted topics blockagg creates (registry, ownership records) are created safe
 on a cluster of several brokers: replication factor 3 (at most the brokers) with
 ``min.insync.replicas=2``, not the broker's ``default.replication.factor`` (1 unless
-changed), which the start-up durability check would refuse."""
+changed), which the start-up durability check would refuse. A read asks for the
+watermarks again while a restarted broker takes its partitions back."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from blockagg.proto.registry import KafkaStore
+from blockagg.aggregator.kafka.log_store import KafkaStore
 
 
 class FakeAdmin:
@@ -78,3 +81,30 @@ def test_a_registration_creates_a_missing_registry_topic_itself_not_by_auto_crea
     [made] = FakeAdmin.created
     assert made.topic == "_blockagg_schemas" and made.replication_factor == 3
     assert made.config["cleanup.policy"] == "compact"
+
+
+def test_watermarks_are_asked_again_while_a_restarted_broker_takes_its_partitions_back(
+        monkeypatch: Any) -> None:
+    """Seen in CI right after a kill -9 of the broker: NOT_LEADER_FOR_PARTITION for a
+    moment, then the answer. A non-transient error is raised at once."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    from blockagg.aggregator.kafka import log_store
+
+    monkeypatch.setattr("blockagg.aggregator.kafka.log_store.time.sleep", lambda s: None)
+
+    class Consumer:
+        def __init__(self, errors: list[int]) -> None:
+            self.errors = errors
+            self.calls = 0
+
+        def get_watermark_offsets(self, partition: Any, timeout: float) -> tuple[int, int]:
+            self.calls += 1
+            if self.errors:
+                raise KafkaException(KafkaError(self.errors.pop(0)))
+            return 3, 9
+
+    flaky = Consumer([KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE])
+    assert log_store._watermarks(flaky, None, 30.0) == (3, 9) and flaky.calls == 3
+    with pytest.raises(KafkaException):
+        log_store._watermarks(Consumer([KafkaError.TOPIC_AUTHORIZATION_FAILED]), None, 30.0)

@@ -10,8 +10,8 @@ from typing import Any
 
 from click.testing import CliRunner
 
-from blockagg.proto.cli import Context, cli
 from blockagg.proto.registry import MemoryStore
+from blockagg.registration.cli import Context, cli
 from blockagg.rows.columns import Column
 
 COLUMNS = [Column("a", "Int32"), Column("_offset", "UInt64")]

@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from blockagg.proto.cli import Context, cli
-from blockagg.proto.compat import Mode
 from blockagg.proto.exceptions import UnknownTable, UnknownVersion
-from blockagg.proto.registry import MemoryStore, Registration, Registry, SchemaVersion, register
+from blockagg.proto.modes import Mode
+from blockagg.proto.registry import MemoryStore, Registration, Registry, SchemaVersion
+from blockagg.registration.cli import Context, cli
+from blockagg.registration.register import register
 from blockagg.rows.columns import Column
 
-SAMPLE = Path(__file__).with_name("sample.proto")
+SAMPLE = Path(__file__).parents[1] / "proto" / "sample.proto"
 
 COLUMNS = [Column("a", "Int32"), Column("b", "LowCardinality(String)"),
            Column("_topic", "String"), Column("_partition", "UInt32"),

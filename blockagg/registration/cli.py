@@ -29,17 +29,10 @@ from blockagg.cli_tls import (
     tls_options,
 )
 from blockagg.exceptions import BlockaggError
-from blockagg.proto.compat import DEFAULT_MODE, Mode
-from blockagg.proto.exceptions import IncompatibleSchema
-from blockagg.proto.registry import (
-    DEFAULT_TOPIC,
-    KafkaStore,
-    Registration,
-    Registry,
-    Store,
-    register,
-    set_compatibility,
-)
+from blockagg.proto.modes import DEFAULT_MODE, Mode
+from blockagg.proto.registry import DEFAULT_TOPIC, Registration, Registry, Store
+from blockagg.registration.exceptions import IncompatibleSchema
+from blockagg.registration.register import next_registration, register, set_compatibility
 
 ColumnsFn = Callable[[str], Sequence[Any]]
 DedupFn = Callable[[str], "str | None"]
@@ -122,6 +115,7 @@ def _clickhouse(hosts: Sequence[str], user: str, password: str,
 def _reachable_store(config: dict[str, Any], topic: str) -> Store:
     """The registry topic's store, once Kafka answered (one line naming the
     bootstrap servers otherwise, within ``CHECK_TIMEOUT``)."""
+    from blockagg.aggregator.kafka.log_store import KafkaStore
     from blockagg.aggregator.kafka.startup import list_topics
 
     list_topics(config, CHECK_TIMEOUT,
@@ -262,9 +256,9 @@ def register_cmd(ctx: Context, table: str, proto_file: Path | None, includes: tu
     try:
         if dry_run:
             registry = Registry.load(ctx.store())
-            new = registry.next_registration(table, message_name, fds,
-                                             compatibility=compatibility, columns=columns,
-                                             force=force_incompatible)
+            new = next_registration(registry, table, message_name, fds,
+                                    compatibility=compatibility, columns=columns,
+                                    force=force_incompatible)
             reg, changed = new or registry.get(table), new is not None
         else:
             reg, changed = register(ctx.store(), table, message_name, fds,
