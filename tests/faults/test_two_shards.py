@@ -146,7 +146,9 @@ def test_the_counts_are_read_while_the_producer_adds() -> None:
 def test_the_operators_procedure_waits_for_a_recreated_topics_leaders() -> None:
     """``topic_recreate`` on three brokers read a new partition's watermarks before its
     leader was known to the broker asked (``NOT_LEADER_FOR_PARTITION``) and the harness
-    died half-way through the procedure; such errors are retried, others are not."""
+    died half-way through the procedure; then a client whose metadata did not list the
+    recreated partition yet (``_UNKNOWN_PARTITION``) killed it at the same step. Such
+    errors are retried, others are not."""
     import pytest
     from confluent_kafka import KafkaError, KafkaException
 
@@ -154,6 +156,7 @@ def test_the_operators_procedure_waits_for_a_recreated_topics_leaders() -> None:
 
     answers: list[object] = [KafkaException(KafkaError(KafkaError.NOT_LEADER_FOR_PARTITION)),
                              KafkaException(KafkaError(KafkaError.LEADER_NOT_AVAILABLE)),
+                             KafkaException(KafkaError(KafkaError._UNKNOWN_PARTITION)),
                              (0, 42)]
 
     def watermarks() -> object:

@@ -251,9 +251,12 @@ class Produced:
 LEADERS_SETTLING = frozenset({"NOT_LEADER_FOR_PARTITION", "LEADER_NOT_AVAILABLE",
                               "UNKNOWN_TOPIC_OR_PART", "NOT_COORDINATOR",
                               "COORDINATOR_LOAD_IN_PROGRESS", "COORDINATOR_NOT_AVAILABLE",
-                              "_TIMED_OUT", "REQUEST_TIMED_OUT"})
+                              "_TIMED_OUT", "REQUEST_TIMED_OUT", "_UNKNOWN_PARTITION",
+                              "_UNKNOWN_TOPIC"})
 """Errors of a request that met a cluster whose leaders are still being elected: a
-topic just created on three brokers, a leader just killed. The operator retries."""
+topic just created on three brokers, a leader just killed, or a client whose metadata
+does not list the new topic's partitions yet (librdkafka's local ``_UNKNOWN_PARTITION``).
+The operator retries."""
 
 
 def while_leaders_settle(action: Callable[[], Any], timeout: float,
@@ -746,8 +749,14 @@ class Workload:
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": self.group,
                              "enable.auto.commit": False})
         def low(topic: str, partition: int) -> int:
-            return int(while_leaders_settle(lambda: consumer.get_watermark_offsets(
-                TopicPartition(topic, partition), timeout=timeout), timeout)[0])
+            def watermarks() -> tuple[int, int]:
+                # a fresh metadata request first: a client that met the topic before
+                # it was recreated keeps its partitions unknown otherwise
+                consumer.list_topics(topic, timeout=timeout)
+                return tuple(consumer.get_watermark_offsets(  # type: ignore[return-value]
+                    TopicPartition(topic, partition), timeout=timeout))
+
+            return int(while_leaders_settle(watermarks, timeout)[0])
 
         try:
             earliest = {(t, p): low(t, p) for t in self.topics for p in range(self.partitions)}
