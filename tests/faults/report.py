@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from tests.faults.driver import KINDS
+from tests.faults.driver import CLUSTER_KINDS, KINDS
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -65,7 +65,8 @@ def fault_table(events: list[dict[str, Any]]) -> list[str]:
     lines = ["| kind | injected | armed, not fired | job restarts | time to recover, median / "
              "p90 / max (s) | not caught up within the settle time |",
              "| --- | --- | --- | --- | --- | --- |"]
-    for kind in KINDS:
+    seen = [k for k in count.keys() | missed.keys() if k not in KINDS + CLUSTER_KINDS]
+    for kind in [*KINDS, *CLUSTER_KINDS, *sorted(seen)]:
         xs = recover[kind]
         times = (f"{statistics.median(xs):.1f} / {_quantile(xs, 0.9):.1f} / {max(xs):.1f}"
                  if xs else "-")

@@ -15,6 +15,7 @@ EVENTS: list[dict[str, Any]] = [
     {"kind": "driver_kill9", "recover_s": 20.0, "job_starts": 1},
     {"kind": "lost_ack", "recover_s": 2.0, "job_starts": 0},
     {"kind": "lost_ack", "recover_s": None, "job_starts": 0},
+    {"kind": "leader_kill9", "recover_s": 4.0, "job_starts": 0},
 ]
 CHECK = {"rows_expected": 1000, "rows_stored": 1000, "duplicates": 0, "missing": 0,
          "dead_expected": 10, "dead_stored": {"0": 10, "1": 10}, "verify": 0, "audit": 0,
@@ -26,7 +27,9 @@ def test_fault_table_counts_restarts_and_unsettled_faults() -> None:
     assert rows["driver_kill9"] == "| driver_kill9 | 2 | 0 | 2 | 25.0 / 30.0 / 30.0 | 0 |"
     assert rows["lost_ack"] == "| lost_ack | 2 | 0 | 0 | 2.0 / 2.0 / 2.0 | 1 |"
     assert rows["zookeeper_down"] == "| zookeeper_down | 0 | 0 | 0 | - | 0 |"
-    assert rows["all"] == "| all | 4 | 0 | 2 | | 1 |"
+    assert rows["leader_kill9"] == "| leader_kill9 | 1 | 0 | 0 | 4.0 / 4.0 / 4.0 | 0 |"
+    assert rows["rolling_restart"] == "| rolling_restart | 0 | 0 | 0 | - | 0 |"
+    assert rows["all"] == "| all | 5 | 0 | 2 | | 1 |"
 
 
 def test_check_table_lists_interim_then_final() -> None:
@@ -69,7 +72,7 @@ def test_main_reads_a_run_in_progress(tmp_path: Path, capsys: pytest.CaptureFixt
     path.write_text(json.dumps({"events": EVENTS, "seconds": 61.2, "check": None}))
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("4 faults in 61 s") and "| lost_ack | 2 |" in out
+    assert out.startswith("5 faults in 61 s") and "| lost_ack | 2 |" in out
 
 
 def test_each_shard_is_a_row_at_each_check() -> None:
