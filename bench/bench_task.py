@@ -14,7 +14,10 @@ per million rows: the servers' share is not in it.
 ``git archive`` of main, say) in child processes, interleaved with this checkout's
 (ABBA: base, new, new, base, ...), each child a fresh process on fresh tables, and
 reports the medians and their ratio. ``--profile FILE`` runs one child of this
-checkout under py-spy instead.
+checkout under py-spy instead. ``--stages`` splits each child's CPU by stage (thread
+CPU time, the insert lanes' threads included): the rows stage, and each insert's parts
+(the block's columns, the query packet, the server's sample block, the Data packet,
+the end of the insert), without a profiler's per-call cost.
 """
 
 from __future__ import annotations
@@ -33,6 +36,49 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TOPIC = "bench_task"
+
+
+STAGES: tuple[tuple[str, str, str, str], ...] = (
+    ("prepare", "blockagg.spark.task", "", "prepare_partition"),
+    ("insert", "blockagg.aggregator.clickhouse.writer", "ClickHouseBlockWriter", "insert"),
+    ("insert.block_data", "blockagg.aggregator.clickhouse.writer", "ClickHouseBlockWriter",
+     "block_data"),
+    ("insert.send_query", "clickhouse_driver.connection", "Connection", "send_query"),
+    ("insert.sample_block", "clickhouse_driver.client", "Client", "receive_sample_block"),
+    ("insert.send_data", "blockagg.aggregator.clickhouse.native", "NativeClient", "send_data"),
+    ("insert.end", "clickhouse_driver.client", "Client", "receive_end_of_insert_query"),
+)
+"""(stage, module, class or "" for a module function, function): what ``--stages``
+times. ``insert.*`` run inside ``insert``."""
+
+
+def time_stages() -> dict[str, float]:
+    """Wrap every :data:`STAGES` function so that each call adds its thread's CPU time
+    to the returned dict (the caller reads it after the run)."""
+    import importlib
+    import threading
+
+    from blockagg.aggregator.clickhouse.native import native_client_class
+
+    spent: dict[str, float] = dict.fromkeys((name for name, *_ in STAGES), 0.0)
+    lock = threading.Lock()
+
+    def timed(name: str, fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            began = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                with lock:
+                    spent[name] += time.thread_time() - began
+        return call
+
+    for name, module, cls, function in STAGES:
+        owner: Any = (native_client_class() if cls == "NativeClient" else
+                      getattr(importlib.import_module(module), cls) if cls else
+                      importlib.import_module(module))
+        setattr(owner, function, timed(name, getattr(owner, function)))
+    return spent
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,6 +194,7 @@ table = "{database}.dead_letters"
 
             components.writer.insert = profiled_insert
             profiler.enable()
+        spent = time_stages() if args.stages else None
         w0, c0 = time.perf_counter(), time.process_time()
         report = run_range(ctx, tp, offsets[warm:], values[warm:], stamps[warm:])
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
@@ -168,7 +215,23 @@ table = "{database}.dead_letters"
     measured = int(report["rows"])
     return {"code": str(Path(blockagg.__file__).parents[1]), "rows": measured,
             "stored": stored, "blocks": report["blocks"], "wall_s": wall, "cpu_s": cpu,
-            "cpu_s_per_mrows": cpu / measured * 1e6, "rows_per_cpu_s": measured / cpu}
+            "cpu_s_per_mrows": cpu / measured * 1e6, "rows_per_cpu_s": measured / cpu,
+            **({"stages": spent} if spent is not None else {})}
+
+
+def stage_lines(results: Sequence[dict[str, Any]]) -> list[str]:
+    """Median CPU seconds per stage over ``results`` (and per block), the insert's own
+    remainder (retries, checks, settings) after its timed parts, and the rest of the
+    task (plan, metadata, lanes) after the rows stage and the inserts."""
+    blocks = statistics.median(r["blocks"] for r in results)
+    median = {name: statistics.median(r["stages"][name] for r in results)
+              for name, *_ in STAGES}
+    cpu = statistics.median(r["cpu_s"] for r in results)
+    parts = sum(v for k, v in median.items() if k.startswith("insert."))
+    rows = [*median.items(), ("insert.other", median["insert"] - parts),
+            ("rest of the task", cpu - median["prepare"] - median["insert"])]
+    return [f"stage {name:<20} {value:6.3f} s  {value / blocks * 1e3:6.3f} ms/block"
+            for name, value in rows]
 
 
 def top_functions(path: Path, n: int) -> list[str]:
@@ -195,7 +258,7 @@ def run_child(code: Path, args: argparse.Namespace, extra: Sequence[str] = ()
            "--rows", str(args.rows), "--tables", str(args.tables),
            "--rows-per-message",
            str(args.rows_per_message), "--block-rows", str(args.block_rows),
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), *(["--stages"] if args.stages else [])]
     env = {**os.environ, "PYTHONPATH": str(code)}
     out = subprocess.run(cmd, env=env, cwd=code, check=True, capture_output=True, text=True)
     last = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
@@ -215,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cprofile", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--keep", action="store_true", help="keep the benchmark database")
+    ap.add_argument("--stages", action="store_true",
+                    help="split each run's CPU by stage (this checkout's medians)")
     args = ap.parse_args(argv)
     if args.child:
         sys.path.insert(0, os.getcwd())
@@ -247,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                for name, rs in results.items()}
     for name, value in medians.items():
         print(f"median {name:<5} {value:6.2f} CPU-s/Mrows")
+    if args.stages:
+        print("\n".join(stage_lines(results["new"])))
     if "base" in medians:
         print(f"base/new: {medians['base'] / medians['new']:.2f}x less CPU per row")
     load = os.getloadavg()
