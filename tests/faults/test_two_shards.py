@@ -170,3 +170,37 @@ def test_the_operators_procedure_waits_for_a_recreated_topics_leaders() -> None:
         while_leaders_settle(lambda: (_ for _ in ()).throw(
             KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))), 30,
             sleep=lambda s: None)
+
+
+def test_a_replica_that_died_by_itself_is_started_again_while_a_step_retries() -> None:
+    """18.16 aborted by itself on the loaded machine and ``topic_recreate``'s read of
+    what is stored waited 180 s for it, then killed the harness; the step now starts a
+    replica that is down (and only then) before it retries."""
+    from tests.faults.driver import _retry_for, revive_replicas
+
+    class Stack:
+        replica_services = ("clickhouse-r1", "clickhouse-r2")
+
+        def __init__(self) -> None:
+            self.running = {"clickhouse-r2"}
+            self.ups = 0
+
+        def is_up(self, service: str) -> bool:
+            return service in self.running
+
+        def up(self) -> None:
+            self.ups += 1
+            self.running |= set(self.replica_services)
+
+    stack = Stack()
+
+    def stored() -> int:
+        if "clickhouse-r1" not in stack.running:
+            raise ConnectionRefusedError("Code: 210. Connection refused (127.0.0.1:27000)")
+        return 7
+
+    assert _retry_for(stored, 30, "reading what is stored",
+                      lambda: revive_replicas(stack)) == 7  # type: ignore[arg-type]
+    assert stack.ups == 1
+    revive_replicas(stack)  # type: ignore[arg-type]
+    assert stack.ups == 1
