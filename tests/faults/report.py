@@ -77,10 +77,16 @@ def fault_table(events: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def check_table(summary: dict[str, Any]) -> list[str]:
+def all_checks(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The interim checks, then the final one (``after_faults`` "final")."""
     checks = list(summary.get("interim_checks") or [])
     if summary.get("check"):
         checks.append({"after_faults": "final", **summary["check"]})
+    return checks
+
+
+def check_table(summary: dict[str, Any]) -> list[str]:
+    checks = all_checks(summary)
     lines = ["| after faults | messages produced | rows expected | rows stored (r1) | "
              "duplicates | missing | dead letters (r1 / r2 of expected) | verify | audit | ok |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -107,10 +113,7 @@ def check_table(summary: dict[str, Any]) -> list[str]:
 def shard_table(summary: dict[str, Any]) -> list[str]:
     """Per shard at every check that has shards: each shard is held to its own topic,
     so totals over both could hide a shard's loss behind the other's duplicates."""
-    checks = list(summary.get("interim_checks") or [])
-    if summary.get("check"):
-        checks.append({"after_faults": "final", **summary["check"]})
-    checks = [c for c in checks if c.get("shards")]
+    checks = [c for c in all_checks(summary) if c.get("shards")]
     if not checks:
         return []
     lines = ["| after faults | shard | rows expected | rows stored (first replica) | "
