@@ -298,9 +298,12 @@ def _wait(cond: Any, timeout: float, poll: float = 0.5) -> bool:
 
 def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
            zookeeper_down_s: tuple[float, float] = (10, 25),
-           broker_pause_s: tuple[float, float] = BROKER_PAUSE_S) -> dict[str, Any]:
+           broker_pause_s: tuple[float, float] = BROKER_PAUSE_S,
+           produce: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Inject one fault and recover from it; returns what was done and when the
-    recovery (restart / network restored) completed, for time-to-recover."""
+    recovery (restart / network restored) completed, for time-to-recover.
+    ``produce(n)`` adds ``n`` messages to the run's stream (a fault that needs
+    traffic to fire, such as ``lost_ack``, uses it)."""
     started = time.monotonic()
     info: dict[str, Any] = {"kind": kind}
     if kind in CLUSTER_KINDS:
@@ -317,16 +320,7 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
     elif kind == "executor_stall":
         info.update(stall_across_restart(job, stack, rng))
     elif kind == "lost_ack":
-        # the replica a shard's inserts go to (its first); with two shards, either's
-        shard = rng.randrange(len(job.shard_proxies)) if len(job.shard_proxies) > 1 else 0
-        proxy = job.shard_proxies[shard][0]
-        if shard:
-            info["shard"] = shard + 1
-        before = proxy.stats.dropped_responses
-        # 2 KiB: more than a handshake or an INSERT's query text, less than a data block
-        proxy.drop_responses(count=1, min_request_bytes=2048)
-        info["fired"] = proxy.wait_dropped(before + 1, 120)
-        proxy.set_mode(Mode.FORWARD)
+        info.update(lose_an_ack(job, rng, produce))
     elif kind == "replica_kill9":
         replicas = len(job.proxies)
         name = rng.choice(["clickhouse-r1", "clickhouse-r2"] if replicas == 2 else
@@ -363,6 +357,51 @@ def inject(kind: str, job: Job, stack: StackControl, rng: random.Random,
     else:
         raise ValueError(f"unknown fault kind {kind!r}; known: {KINDS + CLUSTER_KINDS}")
     info["inject_s"] = round(time.monotonic() - started, 1)
+    return info
+
+
+LOST_ACK_WINDOW_S = 120.0
+"""How long ``lost_ack`` stays armed before it is recorded as not fired."""
+
+LOST_ACK_BURST = 1000
+"""Messages added when an armed ``lost_ack`` has seen no block for a while: produced
+at once, they make blocks large enough to be told from the insert's query text."""
+
+
+def lose_an_ack(job: Job, rng: random.Random, produce: Callable[[int], None] | None,
+                window_s: float = LOST_ACK_WINDOW_S, burst_every_s: float = 10.0
+                ) -> dict[str, Any]:
+    """Drop the answer to one block insert on a shard (the insert is applied, its
+    acknowledgement never arrives). Every replica of the shard is armed, because after
+    any earlier failover the writer stays on the replica it moved to; the first to drop
+    one disarms the rest. While nothing has fired, a burst of messages every few seconds
+    keeps blocks coming: once the job has caught up it inserts nothing, and a trickle
+    forms blocks too small (under 2 KiB) to be told from a query."""
+    shard = rng.randrange(len(job.shard_proxies)) if len(job.shard_proxies) > 1 else 0
+    proxies = job.shard_proxies[shard]
+    before = [p.stats.dropped_responses for p in proxies]
+    for proxy in proxies:
+        # 2 KiB: more than a handshake or an INSERT's query text, less than a data block
+        proxy.drop_responses(count=1, min_request_bytes=2048)
+    info: dict[str, Any] = {"shard": shard + 1} if shard else {}
+    deadline = time.monotonic() + window_s
+    next_burst = time.monotonic() + burst_every_s
+    extra = 0
+    fired: list[int] = []
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.05)
+        fired = [i for i, p in enumerate(proxies) if p.stats.dropped_responses > before[i]]
+        if not fired and produce is not None and time.monotonic() >= next_burst:
+            produce(LOST_ACK_BURST)
+            extra += LOST_ACK_BURST
+            next_burst = time.monotonic() + burst_every_s
+    for proxy in proxies:
+        proxy.set_mode(Mode.FORWARD)
+    info["fired"] = bool(fired)
+    if fired:
+        info["replica"] = [i + 1 for i in fired]
+    if extra:
+        info["extra_messages"] = extra
     return info
 
 
@@ -785,7 +824,7 @@ class _Run:
             producer = threading.Thread(target=self.produce, args=(during,), daemon=True)
             producer.start()
             info = {"n": n, **inject(kind, job, self.stack, rng, self.zookeeper_down_s,
-                                     self.broker_pause_s)}
+                                     self.broker_pause_s, produce=self.produce)}
             producer.join(timeout=600)
             if during < self.per_fault:
                 self.produce(self.per_fault - during)
