@@ -41,17 +41,6 @@ class UnknownVersion(RegistryError):
     """The table has no registration with the requested schema version."""
 
 
-class CheckFailed(ProtoError):
-    """A message type does not match the live ClickHouse table; ``mismatches`` lists
-    every difference found, one sentence each."""
-
-    def __init__(self, table: str, mismatches: list[str]) -> None:
-        self.table = table
-        self.mismatches = list(mismatches)
-        lines = "\n".join(f"  - {m}" for m in self.mismatches)
-        super().__init__(f"{table}: {len(self.mismatches)} mismatch(es):\n{lines}")
-
-
 class CompatibilityError(ProtoError):
     """A compatibility mode or check can't be applied as asked."""
 
