@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import re
 import sys
@@ -190,6 +191,9 @@ class FloorBench:
         from bench.workload import Rows
 
         self.args = args
+        # the Enum8 and Array columns take clickhouse-driver's generic path under numpy
+        # inserts, as in the job: one warning per insert otherwise
+        logging.getLogger("clickhouse_driver.columns.service").setLevel(logging.ERROR)
         self.bench = Bench(args)
         self.bench.fresh_tables()
         self.bench.register()
@@ -245,6 +249,8 @@ class FloorBench:
             if part == "stream":
                 lat, last = self.stream()
                 stream_figures(r, lat, last)
+                r.ratio = ratio([r.batch_s_median], [r.alone_s_median] if r.alone_s_median
+                                else [])
                 print(f"round {repeat} stream: {json.dumps(asdict(r))}", file=sys.stderr,
                       flush=True)
             else:
@@ -263,10 +269,10 @@ class FloorBench:
                 r.alone_client_cpu_s_per_batch = sum(d.client_cpu_s for d in done) / n
                 r.alone_server_cpu_s_per_batch = sum(d.server_cpu_s for d in done) / n
                 r.alone_quorum_waits = sum(d.quorum_waits for d in done)
+                r.ratio = ratio([r.batch_s_median] if r.batch_s_median else [],
+                                [r.alone_s_median])
                 print(f"round {repeat} alone: {len(done)} batches, median "
                       f"{r.alone_s_median:.2f} s", file=sys.stderr, flush=True)
-            r.ratio = ratio([r.batch_s_median] if r.batch_s_median else [],
-                            [r.alone_s_median] if r.alone_s_median else [])
         return [rounds[k] for k in sorted(rounds)]
 
     def close(self) -> None:
