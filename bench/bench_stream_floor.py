@@ -10,6 +10,8 @@ In ONE run, alternating in ABBA order over ``--repeat`` rounds:
   ``--seconds`` after ``--warmup``: the probe's p50/p99/max produce -> visible, the job's
   and the servers' CPU over the window, and the window's ``blockagg.job: batch`` lines
   (the first of the window excluded: it may have begun before it).
+  ``--mode exactly_once_s8`` streams with 8 Spark task slots on the same 2 cores (every
+  partition's task at once instead of waves of two: the overlap across tasks).
 * **alone**: the blocks of the latest stream window's micro-batches, batch by batch (each
   batch's line gives its ``blocks`` and ``rows``: that many blocks of rows/blocks rows,
   to within one row), into fresh tables of the job's shape (``--tables`` + 1, the probe's
@@ -202,7 +204,7 @@ class FloorBench:
         self.alone_runs = 0
 
     def stream(self) -> tuple[dict[str, Any], list[Batch]]:
-        lat = self.bench.latency(self.args.block_rows)
+        lat = self.bench.latency(self.args.block_rows, self.args.mode)
         text = ""
         if "log" in lat:
             with Path(str(lat["log"])).open("rb") as f:
@@ -296,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                     "clickhouse.insert_concurrency 4")
     ap.add_argument("--block-rows", type=int, default=1_000_000,
                     help="the job's blocks.max_rows (large: one block per table and partition)")
+    ap.add_argument("--mode", default="exactly_once",
+                    help="bench_e2e's streaming mode: exactly_once_s8 runs the job with 8 "
+                    "task slots on its 2 cores (a task decodes while another waits on its "
+                    "inserts; give --lanes 32 for its inserts alone)")
     ap.add_argument("--alone-batches", type=int, default=0,
                     help="insert only the first N batches of a window alone (0: all)")
     ap.add_argument("--max-offsets", type=int, default=0)
