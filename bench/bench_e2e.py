@@ -340,6 +340,9 @@ port = 0
         config, _ = self.config(block_rows, tag, mode)
         self.topic = saved
         proc = self.start_job(config, mode, 2, False, self.folder / f"{tag}.log")
+        sampler = TreeSampler(proc.pid)
+        cpu_from = servers_from = cpu_to = servers_to = 0.0
+        log_end = 0
         from confluent_kafka import Producer
 
         producer = Producer({"bootstrap.servers": self.bootstrap, "linger.ms": 5,
@@ -382,9 +385,14 @@ port = 0
                 if running_from is not None and now - running_from >= self.args.latency_warmup:
                     measured_from = now
                     log_offset = log.stat().st_size if log.exists() else 0
+                    cpu_from, servers_from = sampler.total(), self.servers.cpu()
                     sent.clear()
                     seen.clear()
             elif now - measured_from > self.args.latency_seconds:
+                # the window's CPU and the end of its batch lines: what a window's
+                # micro-batches cost (bench.bench_stream_floor divides by them)
+                cpu_to, servers_to = sampler.total(), self.servers.cpu()
+                log_end = log.stat().st_size if log.exists() else 0
                 break
             for _ in range(per_tick):
                 rows = [b"\x08" + varint(next_id + k) + tail
@@ -411,6 +419,7 @@ port = 0
             proc.wait(120)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        sampler.finish()
         lat = sorted(seen[i] - sent[i] for i in sent if i in seen)
         if not lat:
             return {"probes": len(sent), "seen": 0}
@@ -419,7 +428,9 @@ port = 0
                                                               int(len(lat) * 0.99))],
                 "max_s": lat[-1], "seconds": round(time.monotonic() - started, 1),
                 "warmup_s": self.args.latency_warmup, "batches": batch_times(log, log_offset),
-                "log": str(log), "log_offset": log_offset}
+                "log": str(log), "log_offset": log_offset, "log_end": log_end,
+                "job_cpu_s": round(cpu_to - cpu_from, 2),
+                "server_cpu_s": round(servers_to - servers_from, 2)}
 
 
 BATCH_TIMES: Final = ("seconds", "max_task_seconds", "task_seconds", "commit_seconds",

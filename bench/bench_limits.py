@@ -247,14 +247,9 @@ def insert_waiting_for_quorum(send: Callable[[], object], pause_s: float = 0.01,
             sleep(pause_s)
 
 
-def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str,
-                          max_rows: int, lanes: int, quorum: int, servers: Servers,
-                          generation: int) -> Result:
-    """The job's blocks into fresh tables of the job's shape, ``lanes`` at a time."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    names = [f"j{generation}_t{t:03d}" for t in range(rows.tables)]
+def create_job_tables(host: str, ports: list[int], database: str, names: list[str]) -> None:
+    """Tables of the job's shape (the workload's columns and the coordinates) on every
+    replica, on their own ZooKeeper paths."""
     for port in ports:
         c = ch_client(host, port)
         for name in names:
@@ -262,45 +257,90 @@ def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str
                       f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/{name}', "
                       "'{replica}') ORDER BY id")
         c.disconnect()
-    blocks = job_blocks(rows, max_rows)
-    pool = PoolColumns(rows)
-    columns = ", ".join([*COLUMN_NAMES, "_topic", "_partition", "_offset"])
-    settings: dict[str, Any] = {"use_numpy": True, "insert_deduplicate": 1}
-    if quorum:
-        settings["insert_quorum"] = quorum
-    local = threading.local()
 
-    def connected() -> Any:
-        client = getattr(local, "client", None)
+
+@dataclass
+class Inserted:
+    """What one set of blocks cost, inserted ``lanes`` at a time."""
+
+    seconds: float
+    client_cpu_s: float
+    server_cpu_s: float
+    quorum_waits: int
+
+
+class LaneInserter:
+    """Blocks into tables of the job's shape, ``lanes`` inserts at a time, each lane on
+    its own connection to the first replica, as the job's insert lanes send them (numpy
+    columns, ``insert_deduplicate``, ``insert_quorum``): nothing of blockagg around
+    them. Use as a context manager; :meth:`insert` may be called many times (the lanes
+    stay connected, so only the inserts are timed)."""
+
+    def __init__(self, pool: PoolColumns, host: str, ports: list[int], database: str,
+                 names: list[str], lanes: int, quorum: int, servers: Servers) -> None:
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool, self.host, self.port = pool, host, ports[0]
+        self.database, self.names, self.lanes, self.servers = database, names, lanes, servers
+        self.columns = ", ".join([*COLUMN_NAMES, "_topic", "_partition", "_offset"])
+        self.settings: dict[str, Any] = {"use_numpy": True, "insert_deduplicate": 1}
+        if quorum:
+            self.settings["insert_quorum"] = quorum
+        self.local = threading.local()
+        self.executor = ThreadPoolExecutor(lanes)
+        self.waits = 0
+
+    def __enter__(self) -> LaneInserter:
+        # Connect every lane first. Not a warm-up insert: 18.16 refuses a second quorum
+        # insert into a table while the first one's quorum is pending (code 286).
+        list(self.executor.map(lambda _: self._connected(), range(self.lanes)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.executor.shutdown(wait=True)
+
+    def _connected(self) -> Any:
+        client = getattr(self.local, "client", None)
         if client is None:
-            client = local.client = ch_client(host, ports[0])
+            client = self.local.client = ch_client(self.host, self.port)
             client.execute("SELECT 1")
         return client
 
-    waits = [0]
+    def _insert(self, block: JobBlock) -> int:
+        cols = self.pool.block("bench", block)
+        return insert_waiting_for_quorum(lambda: self._connected().execute(
+            f"INSERT INTO {self.database}.{self.names[block.table]} ({self.columns}) VALUES",
+            cols, columnar=True, settings=self.settings))
 
-    def insert(block: JobBlock) -> None:
-        cols = pool.block("bench", block)
-        waits[0] += insert_waiting_for_quorum(lambda: connected().execute(
-            f"INSERT INTO {database}.{names[block.table]} ({columns}) VALUES", cols,
-            columnar=True, settings=settings))
+    def insert(self, blocks: list[JobBlock]) -> Inserted:
+        """Every block of ``blocks``, timed from the first send to the last answer."""
+        c0, s0, t0 = self_cpu_seconds(), self.servers.cpu(), time.perf_counter()
+        waits = sum(self.executor.map(self._insert, blocks))
+        t1, c1, s1 = time.perf_counter(), self_cpu_seconds(), self.servers.cpu()
+        self.waits += waits
+        return Inserted(t1 - t0, c1 - c0, s1 - s0, waits)
 
-    with ThreadPoolExecutor(lanes) as executor:
-        # Connect every lane first. Not a warm-up insert: 18.16 refuses a second quorum
-        # insert into a table while the first one's quorum is pending (code 286).
-        list(executor.map(lambda _: connected(), range(lanes)))
-        c0, s0, t0 = self_cpu_seconds(), servers.cpu(), time.perf_counter()
-        list(executor.map(insert, blocks))
-        t1, c1, s1 = time.perf_counter(), self_cpu_seconds(), servers.cpu()
+
+def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str,
+                          max_rows: int, lanes: int, quorum: int, servers: Servers,
+                          generation: int) -> Result:
+    """The job's blocks into fresh tables of the job's shape, ``lanes`` at a time."""
+    names = [f"j{generation}_t{t:03d}" for t in range(rows.tables)]
+    create_job_tables(host, ports, database, names)
+    blocks = job_blocks(rows, max_rows)
+    with LaneInserter(PoolColumns(rows), host, ports, database, names, lanes, quorum,
+                      servers) as lanes_:
+        done = lanes_.insert(blocks)
     stored = int(ch_client(host, ports[0]).execute(
         f"SELECT sum(rows) FROM system.parts WHERE database = '{database}' AND active "
         f"AND table LIKE 'j{generation}\\_%'")[0][0] or 0)
     sizes = sorted(b.messages.size for b in blocks)
-    return Result(f"raw insert, job blocks x{lanes}", rows.rows, t1 - t0, c1 - c0, s1 - s0,
-                  rows.encoded_row_bytes,
+    return Result(f"raw insert, job blocks x{lanes}", rows.rows, done.seconds,
+                  done.client_cpu_s, done.server_cpu_s, rows.encoded_row_bytes,
                   f"{len(blocks)} blocks of {sizes[0] * rows.rows_per_message:,}-"
                   f"{sizes[-1] * rows.rows_per_message:,} rows, {lanes} at a time, "
-                  f"quorum {quorum}, {stored:,} rows stored, {waits[0]} quorum waits")
+                  f"quorum {quorum}, {stored:,} rows stored, {done.quorum_waits} quorum waits")
 
 
 def kafka_engine(rows: Rows, client: Any, bootstrap: str, topic: str, database: str,
