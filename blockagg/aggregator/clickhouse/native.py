@@ -19,6 +19,7 @@ on a first attempt, a retry and a replay, whichever path sent it.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -250,7 +251,45 @@ def _native_client() -> type[Any]:
 
     class NativeClient(Client):  # type: ignore[misc]
         """clickhouse-driver's client; insert data given as a :class:`NativeBlock`
-        goes out as its encoded bytes (see the module doc)."""
+        goes out as its encoded bytes, and an insert's query packet as bytes cached
+        per connection (see the module doc)."""
+
+        def process_insert_query(self, query_without_data: str, data: Any,
+                                 external_tables: Any = None, query_id: str | None = None,
+                                 types_check: bool = False, columnar: bool = False) -> Any:
+            """The driver's insert (query, sample block, data, end), the query packet
+            from :meth:`send_insert_query`."""
+            connection = self.connection
+            if external_tables or connection.compression:
+                return super().process_insert_query(
+                    query_without_data, data, external_tables=external_tables,
+                    query_id=query_id, types_check=types_check, columnar=columnar)
+            self.send_insert_query(query_without_data, query_id)
+            sample_block = self.receive_sample_block()
+            if sample_block:
+                rv = self.send_data(sample_block, data, types_check=types_check,
+                                    columnar=columnar)
+                self.receive_end_of_insert_query()
+                return rv
+            return None
+
+        def send_insert_query(self, query: str, query_id: str | None) -> None:
+            """What the driver's ``send_query`` and ``send_external_tables`` (none)
+            write for this insert, from :func:`insert_query_packet`'s cached bytes:
+            only the query id (and, on servers that take one, the query's start
+            time) is written afresh."""
+            connection = self.connection
+            if not connection.connected:
+                connection.connect()
+            packet = insert_query_packet(connection, query)
+            fout = connection.fout
+            fout.write(_QUERY_PACKET_TYPE)
+            write_binary_str(query_id or "", fout)
+            if packet.info is not None:
+                packet.info.initial_query_start_time_microseconds = int(time.time() * 1e6)
+                packet.info.write(connection.server_info.used_revision, fout)
+            fout.write(packet.rest)
+            fout.flush()
 
         def send_data(self, sample_block: Any, data: Any, types_check: bool = False,
                       columnar: bool = False) -> int:
@@ -268,6 +307,12 @@ def _native_client() -> type[Any]:
                 write_binary_str("", connection.fout)
             for part in parts:
                 connection.fout.write(part)
+            if revision < defines.DBMS_MIN_PROTOCOL_VERSION_WITH_PROFILE_EVENTS_IN_INSERT:
+                # No answer between the block and the end of data: both go in one
+                # write, the end as the driver's own bytes for it.
+                connection.fout.write(end_of_data_packet(connection))
+                connection.fout.flush()
+                return data.rows
             connection.fout.flush()
             self.receive_profile_events()
             connection.send_data(ColumnOrientedBlock())
@@ -275,3 +320,130 @@ def _native_client() -> type[Any]:
             return data.rows
 
     return NativeClient
+
+
+_QUERY_PACKET_TYPE: Final = b"\x01"
+"""clickhouse-driver's ``ClientPacketTypes.QUERY`` as a varint."""
+
+_QUERY_PACKETS_KEPT: Final = 1024
+"""Query packets kept per connection (tables times settings; a per-block setting
+such as ``insert_deduplication_token`` makes each insert its own entry)."""
+
+
+class _Captured:
+    """A stand-in for the driver's socket writer that keeps what is written."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(bytes(data))
+
+    def flush(self) -> None:
+        pass
+
+    def value(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class QueryPacket:
+    """An insert's query packet after its query id: ``info``, the client info to
+    write afresh (servers that take the query's start time), else ``None`` (it is
+    inside ``rest``); ``rest``, the bytes that follow, up to the end of the (empty)
+    external tables."""
+
+    __slots__ = ("info", "rest")
+
+    def __init__(self, info: Any, rest: bytes) -> None:
+        self.info = info
+        self.rest = rest
+
+
+def insert_query_packet(connection: Any, query: str) -> QueryPacket:
+    """The bytes clickhouse-driver's ``Connection.send_query(query)`` and
+    ``send_external_tables(None)`` write on ``connection`` as it stands (server
+    revision, settings, client settings), captured from the driver's own methods
+    once per key and kept on the connection. Everything in the packet but the
+    query id and the start time is a function of the key, so a cached packet is
+    the driver's byte for byte (``tests/unit/clickhouse/test_native.py``); a changed
+    setting, query or server revision is another key."""
+    context = connection.context
+    client = context.client_settings
+    try:
+        key: Any = (connection.server_info.used_revision, query,
+                    tuple(context.settings.items()), connection.settings_is_important,
+                    connection.client_name, connection.client_revision,
+                    client.get("server_side_params"), client.get("quota_key"),
+                    client.get("opentelemetry_traceparent"),
+                    client.get("opentelemetry_tracestate"))
+        hash(key)
+    except TypeError:
+        key = None
+    cache: dict[Any, QueryPacket] | None = getattr(connection, "_blockagg_query_packets", None)
+    if cache is None:
+        cache = connection._blockagg_query_packets = {}
+    if key is not None:
+        packet = cache.get(key)
+        if packet is not None:
+            return packet
+    packet = _capture_query_packet(connection, query)
+    if key is not None:
+        if len(cache) >= _QUERY_PACKETS_KEPT:
+            cache.clear()
+        cache[key] = packet
+    return packet
+
+
+def end_of_data_packet(connection: Any) -> bytes:
+    """The bytes of the driver's ``connection.send_data(ColumnOrientedBlock())`` (the
+    empty block that ends an insert's data), captured once per server revision."""
+    revision = connection.server_info.used_revision
+    kept: tuple[int, bytes] | None = getattr(connection, "_blockagg_end_of_data", None)
+    if kept is not None and kept[0] == revision:
+        return kept[1]
+    from clickhouse_driver.block import ColumnOrientedBlock
+
+    captured = _capture(connection, lambda: connection.send_data(ColumnOrientedBlock()))
+    connection._blockagg_end_of_data = (revision, captured)
+    return captured
+
+
+def _capture(connection: Any, write: Any) -> bytes:
+    """What ``write()`` sends on ``connection`` (its writer and its block stream's
+    swapped for a buffer meanwhile)."""
+    captured = _Captured()
+    fout, stream = connection.fout, connection.block_out
+    stream_fout = stream.fout
+    connection.fout = stream.fout = captured
+    try:
+        write()
+    finally:
+        connection.fout, stream.fout = fout, stream_fout
+    return captured.value()
+
+
+def _capture_query_packet(connection: Any, query: str) -> QueryPacket:
+    """:func:`insert_query_packet` on a miss: run the driver's methods into a buffer
+    and split off the client info where it carries the time."""
+    from clickhouse_driver import defines
+    from clickhouse_driver.clientinfo import ClientInfo
+
+    def write() -> None:
+        connection.send_query(query, query_id="")
+        connection.send_external_tables(None)
+
+    whole = _capture(connection, write)
+    head = _QUERY_PACKET_TYPE + b"\x00"
+    if not whole.startswith(head):
+        raise ClickHouseError(f"clickhouse-driver's query packet starts {whole[:8]!r}, not "
+                              f"{head!r}; this clickhouse-driver is not supported here")
+    revision = connection.server_info.used_revision
+    if revision < defines.DBMS_MIN_PROTOCOL_VERSION_WITH_INITIAL_QUERY_START_TIME:
+        return QueryPacket(None, whole[len(head):])
+    info = ClientInfo(connection.client_name, connection.context,
+                      client_revision=connection.client_revision)
+    info.query_kind = ClientInfo.QueryKind.INITIAL_QUERY
+    written = _Captured()
+    info.write(revision, written)
+    size = len(written.value())
+    return QueryPacket(info, whole[len(head) + size:])
