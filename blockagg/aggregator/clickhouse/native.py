@@ -275,20 +275,26 @@ def _native_client() -> type[Any]:
 
         def send_insert_query(self, query: str, query_id: str | None) -> None:
             """What the driver's ``send_query`` and ``send_external_tables`` (none)
-            write for this insert, from :func:`insert_query_packet`'s cached bytes:
-            only the query id (and, on servers that take one, the query's start
-            time) is written afresh."""
+            write for this insert, from :func:`insert_query_packet`'s cached pieces:
+            the query id, the query text (and, on servers that take one, the query's
+            start time) are written afresh."""
             connection = self.connection
             if not connection.connected:
                 connection.connect()
-            packet = insert_query_packet(connection, query)
+            packet = insert_query_packet(connection)
+            if packet is None:
+                connection.send_query(query, query_id=query_id)
+                connection.send_external_tables(None)
+                return
             fout = connection.fout
             fout.write(_QUERY_PACKET_TYPE)
             write_binary_str(query_id or "", fout)
             if packet.info is not None:
                 packet.info.initial_query_start_time_microseconds = int(time.time() * 1e6)
                 packet.info.write(connection.server_info.used_revision, fout)
-            fout.write(packet.rest)
+            fout.write(packet.before_query(connection.context.settings))
+            write_binary_str(query, fout)
+            fout.write(packet.after_query)
             fout.flush()
 
         def send_data(self, sample_block: Any, data: Any, types_check: bool = False,
@@ -325,9 +331,9 @@ def _native_client() -> type[Any]:
 _QUERY_PACKET_TYPE: Final = b"\x01"
 """clickhouse-driver's ``ClientPacketTypes.QUERY`` as a varint."""
 
-_QUERY_PACKETS_KEPT: Final = 1024
-"""Query packets kept per connection (tables times settings; a per-block setting
-such as ``insert_deduplication_token`` makes each insert its own entry)."""
+_SETTINGS_KEPT: Final = 256
+"""Settings' bytes kept per connection (a per-block setting such as
+``insert_deduplication_token`` makes each insert its own entry, written afresh)."""
 
 
 class _Captured:
@@ -347,51 +353,125 @@ class _Captured:
 
 
 class QueryPacket:
-    """An insert's query packet after its query id: ``info``, the client info to
-    write afresh (servers that take the query's start time), else ``None`` (it is
-    inside ``rest``); ``rest``, the bytes that follow, up to the end of the (empty)
-    external tables."""
+    """An insert's query packet on one connection, in the pieces around what changes
+    from insert to insert (docs/protocol.md, *The insert's bytes*): ``info``, the
+    client info to write afresh (servers that take the query's start time), else
+    ``None`` and ``client_info`` holds its bytes; then the settings' bytes (kept per
+    settings, :meth:`before_query`), ``middle`` up to the query text, and
+    ``after_query`` (the query's parameters and the empty external tables)."""
 
-    __slots__ = ("info", "rest")
+    __slots__ = ("after_query", "client_info", "flags", "info", "middle", "settings",
+                 "settings_as_strings")
 
-    def __init__(self, info: Any, rest: bytes) -> None:
+    def __init__(self, info: Any, client_info: bytes, settings_as_strings: bool,
+                 flags: int, middle: bytes, after_query: bytes) -> None:
         self.info = info
-        self.rest = rest
+        self.client_info = client_info
+        self.settings_as_strings = settings_as_strings
+        self.flags = flags
+        self.middle = middle
+        self.after_query = after_query
+        self.settings: dict[tuple[tuple[str, Any], ...], bytes] = {}
+
+    def settings_bytes(self, settings: dict[str, Any]) -> bytes:
+        """The driver's ``write_settings`` of ``settings`` for this connection."""
+        from clickhouse_driver.settings.writer import write_settings
+
+        written = _Captured()
+        write_settings(settings, written, self.settings_as_strings, self.flags)
+        return written.value()
+
+    def before_query(self, settings: dict[str, Any]) -> bytes:
+        """The bytes between the query id (or the fresh client info) and the query
+        text, for these settings."""
+        try:
+            key = tuple(settings.items())
+            kept = self.settings.get(key)
+        except TypeError:  # a setting's value that cannot be a key
+            return self.client_info + self.settings_bytes(settings) + self.middle
+        if kept is None:
+            if len(self.settings) >= _SETTINGS_KEPT:
+                self.settings.clear()
+            kept = self.settings[key] = (self.client_info + self.settings_bytes(settings)
+                                         + self.middle)
+        return kept
 
 
-def insert_query_packet(connection: Any, query: str) -> QueryPacket:
-    """The bytes clickhouse-driver's ``Connection.send_query(query)`` and
-    ``send_external_tables(None)`` write on ``connection`` as it stands (server
-    revision, settings, client settings), captured from the driver's own methods
-    once per key and kept on the connection. Everything in the packet but the
-    query id and the start time is a function of the key, so a cached packet is
-    the driver's byte for byte (``tests/unit/clickhouse/test_native.py``); a changed
-    setting, query or server revision is another key."""
+def insert_query_packet(connection: Any) -> QueryPacket | None:
+    """:class:`QueryPacket` for ``connection`` as it stands (server revision, client
+    settings), cut from the bytes the driver's own ``send_query`` and
+    ``send_external_tables(None)`` write (captured into a buffer), and kept on the
+    connection until one of those changes. ``None`` when the captured bytes do not
+    split as expected (then the insert takes the driver's methods).
+    ``tests/unit/clickhouse/test_native.py`` checks that the pieces make the driver's
+    packet byte for byte."""
     context = connection.context
     client = context.client_settings
-    try:
-        key: Any = (connection.server_info.used_revision, query,
-                    tuple(context.settings.items()), connection.settings_is_important,
-                    connection.client_name, connection.client_revision,
-                    client.get("server_side_params"), client.get("quota_key"),
-                    client.get("opentelemetry_traceparent"),
-                    client.get("opentelemetry_tracestate"))
-        hash(key)
-    except TypeError:
-        key = None
-    cache: dict[Any, QueryPacket] | None = getattr(connection, "_blockagg_query_packets", None)
-    if cache is None:
-        cache = connection._blockagg_query_packets = {}
-    if key is not None:
-        packet = cache.get(key)
-        if packet is not None:
-            return packet
-    packet = _capture_query_packet(connection, query)
-    if key is not None:
-        if len(cache) >= _QUERY_PACKETS_KEPT:
-            cache.clear()
-        cache[key] = packet
+    key = (connection.server_info.used_revision, connection.settings_is_important,
+           connection.compression, connection.client_name, connection.client_revision,
+           client.get("server_side_params"), client.get("quota_key"),
+           client.get("opentelemetry_traceparent"), client.get("opentelemetry_tracestate"))
+    kept: tuple[Any, QueryPacket | None] | None = getattr(
+        connection, "_blockagg_query_packet", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    packet = _query_packet(connection)
+    connection._blockagg_query_packet = (key, packet)
     return packet
+
+
+def _query_packet(connection: Any) -> QueryPacket | None:
+    """:func:`insert_query_packet` on a new key: after the client info, the driver's
+    packet for an empty query and for a one-character one differ exactly at the query
+    text, which splits it; the settings are cut off the front of what precedes it."""
+    from clickhouse_driver import defines
+    from clickhouse_driver.clientinfo import ClientInfo
+    from clickhouse_driver.settings.writer import SettingsFlags
+
+    def driver(query: str) -> bytes:
+        def write() -> None:
+            connection.send_query(query, query_id="")
+            connection.send_external_tables(None)
+        return _capture(connection, write)
+
+    revision = connection.server_info.used_revision
+    head = _QUERY_PACKET_TYPE + b"\x00"
+    info: Any = None
+    start = len(head)
+    if revision >= defines.DBMS_MIN_REVISION_WITH_CLIENT_INFO:
+        info = ClientInfo(connection.client_name, connection.context,
+                          client_revision=connection.client_revision)
+        info.query_kind = ClientInfo.QueryKind.INITIAL_QUERY
+        written = _Captured()
+        info.write(revision, written)
+        start += len(written.value())
+    timed = revision >= defines.DBMS_MIN_PROTOCOL_VERSION_WITH_INITIAL_QUERY_START_TIME
+    empty, one = driver(""), driver("?")
+    if not (empty.startswith(head) and one.startswith(head)
+            and (timed or empty[:start] == one[:start])):
+        return None
+    tail_empty, tail_one = empty[start:], one[start:]
+    at = _first_difference(tail_empty, tail_one)
+    if (at < 0 or tail_empty[at] != 0
+            or tail_one != tail_empty[:at] + b"\x01?" + tail_empty[at + 1:]):
+        return None
+    packet = QueryPacket(info if timed else None, b"" if timed else empty[len(head):start],
+                         revision >= defines.DBMS_MIN_REVISION_WITH_SETTINGS_SERIALIZED_AS_STRINGS,
+                         SettingsFlags.IMPORTANT if connection.settings_is_important else 0,
+                         b"", tail_empty[at + 1:])
+    settings = packet.settings_bytes(connection.context.settings)
+    if not tail_empty[:at].startswith(settings):
+        return None
+    packet.middle = tail_empty[len(settings):at]
+    return packet
+
+
+def _first_difference(a: bytes, b: bytes) -> int:
+    """The first index where ``a`` and ``b`` differ (-1 if one starts the other)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return -1
 
 
 def end_of_data_packet(connection: Any) -> bytes:
@@ -420,30 +500,3 @@ def _capture(connection: Any, write: Any) -> bytes:
     finally:
         connection.fout, stream.fout = fout, stream_fout
     return captured.value()
-
-
-def _capture_query_packet(connection: Any, query: str) -> QueryPacket:
-    """:func:`insert_query_packet` on a miss: run the driver's methods into a buffer
-    and split off the client info where it carries the time."""
-    from clickhouse_driver import defines
-    from clickhouse_driver.clientinfo import ClientInfo
-
-    def write() -> None:
-        connection.send_query(query, query_id="")
-        connection.send_external_tables(None)
-
-    whole = _capture(connection, write)
-    head = _QUERY_PACKET_TYPE + b"\x00"
-    if not whole.startswith(head):
-        raise ClickHouseError(f"clickhouse-driver's query packet starts {whole[:8]!r}, not "
-                              f"{head!r}; this clickhouse-driver is not supported here")
-    revision = connection.server_info.used_revision
-    if revision < defines.DBMS_MIN_PROTOCOL_VERSION_WITH_INITIAL_QUERY_START_TIME:
-        return QueryPacket(None, whole[len(head):])
-    info = ClientInfo(connection.client_name, connection.context,
-                      client_revision=connection.client_revision)
-    info.query_kind = ClientInfo.QueryKind.INITIAL_QUERY
-    written = _Captured()
-    info.write(revision, written)
-    size = len(written.value())
-    return QueryPacket(info, whole[len(head) + size:])

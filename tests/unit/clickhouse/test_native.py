@@ -292,42 +292,57 @@ def test_cached_query_packet_is_the_drivers(revision: int) -> None:
     query id and settings (quorum included), on every call."""
     settings = {"insert_quorum": 2, "insert_quorum_timeout": 60_000, "use_numpy": True}
     client, sink = _insert_client(revision, settings)
-    query = "INSERT INTO db.t (`id`, `name`) VALUES"
-    for query_id in ("", "blockagg-t-0-12-34", "blockagg-t-0-35-99"):
+    for query, query_id in itertools.product(
+            ("INSERT INTO db.t (`id`, `name`) VALUES", "INSERT INTO db.u (`é`) VALUES",
+             "INSERT INTO db.v (" + ", ".join(f"`c{i}`" for i in range(60)) + ") VALUES"),
+            ("", "blockagg-t-0-12-34", "blockagg-t-0-35-99")):
         want = _driver_query(client, sink, query, query_id)
         client.send_insert_query(query, query_id)
         assert sink.take() == want
     assert b"insert_quorum" in want
-    assert len(client.connection._blockagg_query_packets) == 1
+    packet = client.connection._blockagg_query_packet[1]
+    assert packet is not None
+    assert len(packet.settings) == 1
 
 
 @pytest.mark.usefixtures("fixed_clock")
 def test_query_packet_cache_misses_on_a_changed_setting_table_or_revision() -> None:
-    """Another setting value, another table or another server revision is another
-    packet (the driver's bytes for it), never the cached one."""
+    """Another setting value (a per-block token too), another table or another server
+    revision gives the driver's bytes for it, never the cached ones; the connection's
+    pieces are rebuilt for another revision only."""
     client, sink = _insert_client(54406, {"insert_quorum": 2})
     query = "INSERT INTO db.t (`id`) VALUES"
     client.send_insert_query(query, "q")
     first = sink.take()
+    built = client.connection._blockagg_query_packet[1]
 
     def other_setting() -> str:
         client.make_query_settings({"insert_quorum": 1})
+        return query
+
+    def a_token() -> str:
+        client.make_query_settings({"insert_quorum": 1, "insert_deduplication_token": "b-1"})
         return query
 
     def other_revision() -> str:
         client.connection.server_info.used_revision = 54467
         return query
 
-    cases: list[Callable[[], str]] = [other_setting, lambda: "INSERT INTO db.u (`id`) VALUES",
-                                      other_revision]
-    for n, change in enumerate(cases, start=2):
+    seen = {first}
+    for change, rebuilt in ((other_setting, False),
+                            (lambda: "INSERT INTO db.u (`id`) VALUES", False),
+                            (other_revision, True), (a_token, False)):
         sql = change()
         want = _driver_query(client, sink, sql, "q")
         client.send_insert_query(sql, "q")
         got = sink.take()
         assert got == want
-        assert got != first
-        assert len(client.connection._blockagg_query_packets) == n
+        assert got not in seen
+        seen.add(got)
+        now = client.connection._blockagg_query_packet[1]
+        assert (now is not built) == rebuilt
+        built = now
+    assert b"insert_deduplication_token" in got
 
 
 def test_end_of_data_is_the_drivers() -> None:
