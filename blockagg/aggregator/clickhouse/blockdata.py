@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -193,17 +194,22 @@ def numpy_eligible(block: Block, limit: int, rows: int, sets: Sequence[ColumnSet
     ``insert_block_size``. Pure."""
     if block.rows > limit or rows > limit:
         return False
-    seen: set[int] = set()
-    for cs in sets:
-        if id(cs) in seen:
-            continue
-        seen.add(id(cs))
-        for ch, fd, values in zip(cs.plan.types, cs.plan.fields, cs.values, strict=True):
-            if not numpy_type_ok(ch):
-                return False
-            if fd is not None and not isinstance(values, (np.ndarray, *NATIVE_COLUMNS)):
-                return False
-    return True
+    return all(_columns_numpy_ok(cs) for cs in dict.fromkeys(sets))
+
+
+_NUMPY_OK: weakref.WeakKeyDictionary[ColumnSet, bool] = weakref.WeakKeyDictionary()
+""":func:`_columns_numpy_ok` per column set (immutable): judged once, not per block."""
+
+
+def _columns_numpy_ok(cs: ColumnSet) -> bool:
+    """Every column of ``cs`` an array (or Native column) of a numpy-mode type."""
+    ok = _NUMPY_OK.get(cs)
+    if ok is None:
+        ok = _NUMPY_OK[cs] = all(
+            numpy_type_ok(ch) and (fd is None
+                                   or isinstance(values, (np.ndarray, *NATIVE_COLUMNS)))
+            for ch, fd, values in zip(cs.plan.types, cs.plan.fields, cs.values, strict=True))
+    return ok
 
 
 def array_columns(block: Block, batch: Batch, runs: Sequence[tuple[ColumnSet, int, int]],

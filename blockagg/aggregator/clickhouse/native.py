@@ -93,8 +93,15 @@ def encode_column(ch: CHType, values: NativeValues) -> bytes:
     if isinstance(values, np.ndarray) and ch.name in NUMPY_DTYPES and values.dtype != object:
         if ch.name == "DateTime" and ch.args:
             raise ClickHouseError(f"no Native encoding of {ch} here")
-        return values.astype(np.dtype(NUMPY_DTYPES[ch.name]).newbyteorder("<")).tobytes()
+        wire = _wire_dtype(ch.name)
+        return (values if values.dtype == wire else values.astype(wire)).tobytes()
     raise ClickHouseError(f"no Native encoding of a {type(values).__name__} column as {ch}")
+
+
+@functools.cache
+def _wire_dtype(name: str) -> np.dtype[Any]:
+    """The little-endian numpy type of a column of type ``name`` on the wire."""
+    return np.dtype(NUMPY_DTYPES[name]).newbyteorder("<")
 
 
 def _string_native(column: StringColumn) -> bytes:
