@@ -188,6 +188,12 @@ def _parsed(spec: str) -> CHType:
     return parse_type(spec)
 
 
+_MATCHED: dict[tuple[tuple[str, str], ...], tuple[tuple[str, ...], tuple[CHType, ...]]] = {}
+""":meth:`NativeBlock.matches`' last match per sample block."""
+
+_MATCHED_KEPT: Final = 4096
+
+
 class NativeBlock(tuple[NativeValues, ...]):
     """A block's columns for :class:`NativeClient`: a tuple (so clickhouse-driver's
     ``execute`` takes it as insert data) of the converted columns, with their names
@@ -211,10 +217,22 @@ class NativeBlock(tuple[NativeValues, ...]):
                      for ch, values in zip(self.types, self, strict=True))
 
     def matches(self, columns_with_types: Sequence[tuple[str, str]]) -> bool:
-        """Whether the server's sample block has exactly these columns and types."""
-        return (tuple(n for n, _ in columns_with_types) == self.names
-                and all(_parsed(t) == ch
-                        for (_, t), ch in zip(columns_with_types, self.types, strict=True)))
+        """Whether the server's sample block has exactly these columns and types.
+
+        The last (names, types) that matched a sample block are kept with it (held,
+        so compared by identity safely): the blocks of one table share their plan's
+        tuples, so the type-by-type comparison runs once per table and plan."""
+        spec = tuple(columns_with_types)
+        kept = _MATCHED.get(spec)
+        if kept is not None and kept[0] is self.names and kept[1] is self.types:
+            return True
+        ok = (tuple(n for n, _ in spec) == self.names
+              and all(_parsed(t) == ch for (_, t), ch in zip(spec, self.types, strict=True)))
+        if ok:
+            if len(_MATCHED) >= _MATCHED_KEPT:
+                _MATCHED.clear()
+            _MATCHED[spec] = (self.names, self.types)
+        return ok
 
     def packet_body(self, columns_with_types: Sequence[tuple[str, str]],
                     revision: int) -> bytes:

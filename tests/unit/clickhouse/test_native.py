@@ -358,3 +358,17 @@ def test_end_of_data_is_the_drivers() -> None:
         want = sink.take()
         assert end_of_data_packet(client.connection) == want
         assert sink.take() == b""
+
+
+def test_a_kept_match_is_only_for_the_same_columns() -> None:
+    """A sample block that matched one block's types does not match another block's
+    of other types on the same names (the kept match is per names and types)."""
+    specs = [("id", "UInt64"), ("name", "String")]
+    good = NativeBlock(["id", "name"], [parse_type("UInt64"), parse_type("String")],
+                       [np.array([1], dtype=np.uint64), _column("String", ["x"])])
+    other = NativeBlock(["id", "name"], [parse_type("Int64"), parse_type("String")],
+                        [np.array([1], dtype=np.int64), _column("String", ["x"])])
+    for _ in range(2):
+        assert good.matches(specs)
+        assert not other.matches(specs)
+    assert NativeBlock(good.names, good.types, list(good)).matches(specs)
