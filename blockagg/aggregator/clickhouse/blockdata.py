@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -194,22 +193,16 @@ def numpy_eligible(block: Block, limit: int, rows: int, sets: Sequence[ColumnSet
     ``insert_block_size``. Pure."""
     if block.rows > limit or rows > limit:
         return False
-    return all(_columns_numpy_ok(cs) for cs in dict.fromkeys(sets))
+    for cs in dict.fromkeys(sets):
+        for ch, fd, values in zip(cs.plan.types, cs.plan.fields, cs.values, strict=True):
+            if not numpy_type_ok(ch):
+                return False
+            if fd is not None and not isinstance(values, _ARRAY_KINDS):
+                return False
+    return True
 
 
-_NUMPY_OK: weakref.WeakKeyDictionary[ColumnSet, bool] = weakref.WeakKeyDictionary()
-""":func:`_columns_numpy_ok` per column set (immutable): judged once, not per block."""
-
-
-def _columns_numpy_ok(cs: ColumnSet) -> bool:
-    """Every column of ``cs`` an array (or Native column) of a numpy-mode type."""
-    ok = _NUMPY_OK.get(cs)
-    if ok is None:
-        ok = _NUMPY_OK[cs] = all(
-            numpy_type_ok(ch) and (fd is None
-                                   or isinstance(values, (np.ndarray, *NATIVE_COLUMNS)))
-            for ch, fd, values in zip(cs.plan.types, cs.plan.fields, cs.values, strict=True))
-    return ok
+_ARRAY_KINDS: Final = (np.ndarray, *NATIVE_COLUMNS)
 
 
 def array_columns(block: Block, batch: Batch, runs: Sequence[tuple[ColumnSet, int, int]],
