@@ -261,7 +261,7 @@ def run_child(code: Path, args: argparse.Namespace, extra: Sequence[str] = ()
            "--rows", str(args.rows), "--tables", str(args.tables),
            "--rows-per-message",
            str(args.rows_per_message), "--block-rows", str(args.block_rows),
-           "--seed", str(args.seed), *(["--stages"] if args.stages else [])]
+           "--seed", str(args.seed), *(["--stages"] if getattr(args, "stages", False) else [])]
     env = {**os.environ, "PYTHONPATH": str(code)}
     out = subprocess.run(cmd, env=env, cwd=code, check=True, capture_output=True, text=True)
     last = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
