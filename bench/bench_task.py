@@ -44,6 +44,8 @@ STAGES: tuple[tuple[str, str, str, str], ...] = (
     ("insert.block_data", "blockagg.aggregator.clickhouse.writer", "ClickHouseBlockWriter",
      "block_data"),
     ("insert.send_query", "clickhouse_driver.connection", "Connection", "send_query"),
+    ("insert.send_query", "blockagg.aggregator.clickhouse.native", "NativeClient",
+     "send_insert_query"),
     ("insert.sample_block", "clickhouse_driver.client", "Client", "receive_sample_block"),
     ("insert.send_data", "blockagg.aggregator.clickhouse.native", "NativeClient", "send_data"),
     ("insert.end", "clickhouse_driver.client", "Client", "receive_end_of_insert_query"),
@@ -77,7 +79,8 @@ def time_stages() -> dict[str, float]:
         owner: Any = (native_client_class() if cls == "NativeClient" else
                       getattr(importlib.import_module(module), cls) if cls else
                       importlib.import_module(module))
-        setattr(owner, function, timed(name, getattr(owner, function)))
+        if function in vars(owner):  # a checkout without it (--baseline) skips it
+            setattr(owner, function, timed(name, getattr(owner, function)))
     return spent
 
 
@@ -258,7 +261,7 @@ def run_child(code: Path, args: argparse.Namespace, extra: Sequence[str] = ()
            "--rows", str(args.rows), "--tables", str(args.tables),
            "--rows-per-message",
            str(args.rows_per_message), "--block-rows", str(args.block_rows),
-           "--seed", str(args.seed), *(["--stages"] if args.stages else [])]
+           "--seed", str(args.seed), *(["--stages"] if getattr(args, "stages", False) else [])]
     env = {**os.environ, "PYTHONPATH": str(code)}
     out = subprocess.run(cmd, env=env, cwd=code, check=True, capture_output=True, text=True)
     last = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]

@@ -37,25 +37,32 @@ class ThreadLanes:
             for insert in inserts:
                 insert()
             return
+        # ``width`` lanes each take the next insert in order until none is left or
+        # one failed: one task per lane, not per insert (a future, a queue hand-over
+        # and a thread wake-up per block were a measurable part of a small block's
+        # CPU, docs/BENCHMARKS.md).
         failed = threading.Event()
+        errors: list[BaseException | None] = [None] * len(inserts)
+        pending = iter(range(len(inserts)))
+        taking = threading.Lock()
 
-        def guarded(insert: Callable[[], None]) -> bool:
-            if failed.is_set():
-                return False
-            try:
-                insert()
-            except BaseException:
-                failed.set()
-                raise
-            return True
+        def lane() -> None:
+            while not failed.is_set():
+                with taking:
+                    i = next(pending, None)
+                if i is None:
+                    return
+                try:
+                    inserts[i]()
+                except BaseException as exc:  # raised below, in the given order
+                    errors[i] = exc
+                    failed.set()
 
-        futures: list[Future[bool]] = [self._pool.submit(guarded, insert)
-                                       for insert in inserts]
-        first: BaseException | None = None
+        futures: list[Future[None]] = [self._pool.submit(lane)
+                                       for _ in range(min(self.width, len(inserts)))]
         for future in futures:
-            error = future.exception()
-            if error is not None and first is None:
-                first = error
+            future.result()
+        first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
 

@@ -94,6 +94,53 @@ def test_the_first_failure_in_plan_order_is_raised() -> None:
     lanes.close()
 
 
+def test_one_task_per_lane_not_per_insert() -> None:
+    """An event of many inserts costs ``width`` hand-overs to the pool, not one per
+    insert (a small block's CPU, docs/BENCHMARKS.md), and every insert still runs once,
+    in order of taking."""
+    lanes = ThreadLanes(3)
+    submitted = 0
+    submit = lanes._pool.submit
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal submitted
+        submitted += 1
+        return submit(*args, **kwargs)
+
+    lanes._pool.submit = counted  # type: ignore[method-assign]
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def insert(i: int) -> Callable[[], None]:
+        def run() -> None:
+            with lock:
+                ran.append(i)
+        return run
+
+    lanes.run([insert(i) for i in range(50)])
+    assert sorted(ran) == list(range(50))
+    assert submitted == 3
+    lanes.close()
+
+
+def test_a_failure_stops_the_lanes_taking_more() -> None:
+    """After a failure no lane takes another insert; the failure is raised."""
+    lanes = ThreadLanes(2)
+    ran: list[int] = []
+
+    def insert(i: int) -> Callable[[], None]:
+        def run() -> None:
+            ran.append(i)
+            if i == 0:
+                raise ValueError("boom")
+        return run
+
+    with pytest.raises(ValueError, match="boom"):
+        lanes.run([insert(i) for i in range(200)])
+    assert len(ran) < 200
+    lanes.close()
+
+
 def test_width_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="insert concurrency must be >= 1, got 0"):
         ThreadLanes(0)

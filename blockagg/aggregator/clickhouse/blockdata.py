@@ -193,17 +193,16 @@ def numpy_eligible(block: Block, limit: int, rows: int, sets: Sequence[ColumnSet
     ``insert_block_size``. Pure."""
     if block.rows > limit or rows > limit:
         return False
-    seen: set[int] = set()
-    for cs in sets:
-        if id(cs) in seen:
-            continue
-        seen.add(id(cs))
+    for cs in dict.fromkeys(sets):
         for ch, fd, values in zip(cs.plan.types, cs.plan.fields, cs.values, strict=True):
             if not numpy_type_ok(ch):
                 return False
-            if fd is not None and not isinstance(values, (np.ndarray, *NATIVE_COLUMNS)):
+            if fd is not None and not isinstance(values, _ARRAY_KINDS):
                 return False
     return True
+
+
+_ARRAY_KINDS: Final = (np.ndarray, *NATIVE_COLUMNS)
 
 
 def array_columns(block: Block, batch: Batch, runs: Sequence[tuple[ColumnSet, int, int]],

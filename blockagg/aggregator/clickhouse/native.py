@@ -19,6 +19,7 @@ on a first attempt, a retry and a replay, whichever path sent it.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -92,8 +93,15 @@ def encode_column(ch: CHType, values: NativeValues) -> bytes:
     if isinstance(values, np.ndarray) and ch.name in NUMPY_DTYPES and values.dtype != object:
         if ch.name == "DateTime" and ch.args:
             raise ClickHouseError(f"no Native encoding of {ch} here")
-        return values.astype(np.dtype(NUMPY_DTYPES[ch.name]).newbyteorder("<")).tobytes()
+        wire = _wire_dtype(ch.name)
+        return (values if values.dtype == wire else values.astype(wire)).tobytes()
     raise ClickHouseError(f"no Native encoding of a {type(values).__name__} column as {ch}")
+
+
+@functools.cache
+def _wire_dtype(name: str) -> np.dtype[Any]:
+    """The little-endian numpy type of a column of type ``name`` on the wire."""
+    return np.dtype(NUMPY_DTYPES[name]).newbyteorder("<")
 
 
 def _string_native(column: StringColumn) -> bytes:
@@ -180,6 +188,12 @@ def _parsed(spec: str) -> CHType:
     return parse_type(spec)
 
 
+_MATCHED: dict[tuple[tuple[str, str], ...], tuple[tuple[str, ...], tuple[CHType, ...]]] = {}
+""":meth:`NativeBlock.matches`' last match per sample block."""
+
+_MATCHED_KEPT: Final = 4096
+
+
 class NativeBlock(tuple[NativeValues, ...]):
     """A block's columns for :class:`NativeClient`: a tuple (so clickhouse-driver's
     ``execute`` takes it as insert data) of the converted columns, with their names
@@ -203,10 +217,22 @@ class NativeBlock(tuple[NativeValues, ...]):
                      for ch, values in zip(self.types, self, strict=True))
 
     def matches(self, columns_with_types: Sequence[tuple[str, str]]) -> bool:
-        """Whether the server's sample block has exactly these columns and types."""
-        return (tuple(n for n, _ in columns_with_types) == self.names
-                and all(_parsed(t) == ch
-                        for (_, t), ch in zip(columns_with_types, self.types, strict=True)))
+        """Whether the server's sample block has exactly these columns and types.
+
+        The last (names, types) that matched a sample block are kept with it (held,
+        so compared by identity safely): the blocks of one table share their plan's
+        tuples, so the type-by-type comparison runs once per table and plan."""
+        spec = tuple(columns_with_types)
+        kept = _MATCHED.get(spec)
+        if kept is not None and kept[0] is self.names and kept[1] is self.types:
+            return True
+        ok = (tuple(n for n, _ in spec) == self.names
+              and all(_parsed(t) == ch for (_, t), ch in zip(spec, self.types, strict=True)))
+        if ok:
+            if len(_MATCHED) >= _MATCHED_KEPT:
+                _MATCHED.clear()
+            _MATCHED[spec] = (self.names, self.types)
+        return ok
 
     def packet_body(self, columns_with_types: Sequence[tuple[str, str]],
                     revision: int) -> bytes:
@@ -250,7 +276,51 @@ def _native_client() -> type[Any]:
 
     class NativeClient(Client):  # type: ignore[misc]
         """clickhouse-driver's client; insert data given as a :class:`NativeBlock`
-        goes out as its encoded bytes (see the module doc)."""
+        goes out as its encoded bytes, and an insert's query packet as bytes cached
+        per connection (see the module doc)."""
+
+        def process_insert_query(self, query_without_data: str, data: Any,
+                                 external_tables: Any = None, query_id: str | None = None,
+                                 types_check: bool = False, columnar: bool = False) -> Any:
+            """The driver's insert (query, sample block, data, end), the query packet
+            from :meth:`send_insert_query`."""
+            connection = self.connection
+            if external_tables or connection.compression:
+                return super().process_insert_query(
+                    query_without_data, data, external_tables=external_tables,
+                    query_id=query_id, types_check=types_check, columnar=columnar)
+            self.send_insert_query(query_without_data, query_id)
+            sample_block = self.receive_sample_block()
+            if sample_block:
+                rv = self.send_data(sample_block, data, types_check=types_check,
+                                    columnar=columnar)
+                self.receive_end_of_insert_query()
+                return rv
+            return None
+
+        def send_insert_query(self, query: str, query_id: str | None) -> None:
+            """What the driver's ``send_query`` and ``send_external_tables`` (none)
+            write for this insert, from :func:`insert_query_packet`'s cached pieces:
+            the query id, the query text (and, on servers that take one, the query's
+            start time) are written afresh."""
+            connection = self.connection
+            if not connection.connected:
+                connection.connect()
+            packet = insert_query_packet(connection)
+            if packet is None:
+                connection.send_query(query, query_id=query_id)
+                connection.send_external_tables(None)
+                return
+            fout = connection.fout
+            fout.write(_QUERY_PACKET_TYPE)
+            write_binary_str(query_id or "", fout)
+            if packet.info is not None:
+                packet.info.initial_query_start_time_microseconds = int(time.time() * 1e6)
+                packet.info.write(connection.server_info.used_revision, fout)
+            fout.write(packet.before_query(connection.context.settings))
+            write_binary_str(query, fout)
+            fout.write(packet.after_query)
+            fout.flush()
 
         def send_data(self, sample_block: Any, data: Any, types_check: bool = False,
                       columnar: bool = False) -> int:
@@ -268,6 +338,12 @@ def _native_client() -> type[Any]:
                 write_binary_str("", connection.fout)
             for part in parts:
                 connection.fout.write(part)
+            if revision < defines.DBMS_MIN_PROTOCOL_VERSION_WITH_PROFILE_EVENTS_IN_INSERT:
+                # No answer between the block and the end of data: both go in one
+                # write, the end as the driver's own bytes for it.
+                connection.fout.write(end_of_data_packet(connection))
+                connection.fout.flush()
+                return data.rows
             connection.fout.flush()
             self.receive_profile_events()
             connection.send_data(ColumnOrientedBlock())
@@ -275,3 +351,177 @@ def _native_client() -> type[Any]:
             return data.rows
 
     return NativeClient
+
+
+_QUERY_PACKET_TYPE: Final = b"\x01"
+"""clickhouse-driver's ``ClientPacketTypes.QUERY`` as a varint."""
+
+_SETTINGS_KEPT: Final = 256
+"""Settings' bytes kept per connection (a per-block setting such as
+``insert_deduplication_token`` makes each insert its own entry, written afresh)."""
+
+
+class _Captured:
+    """A stand-in for the driver's socket writer that keeps what is written."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(bytes(data))
+
+    def flush(self) -> None:
+        pass
+
+    def value(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class QueryPacket:
+    """An insert's query packet on one connection, in the pieces around what changes
+    from insert to insert (docs/protocol.md, *The insert's bytes*): ``info``, the
+    client info to write afresh (servers that take the query's start time), else
+    ``None`` and ``client_info`` holds its bytes; then the settings' bytes (kept per
+    settings, :meth:`before_query`), ``middle`` up to the query text, and
+    ``after_query`` (the query's parameters and the empty external tables)."""
+
+    __slots__ = ("after_query", "client_info", "flags", "info", "middle", "settings",
+                 "settings_as_strings")
+
+    def __init__(self, info: Any, client_info: bytes, settings_as_strings: bool,
+                 flags: int, middle: bytes, after_query: bytes) -> None:
+        self.info = info
+        self.client_info = client_info
+        self.settings_as_strings = settings_as_strings
+        self.flags = flags
+        self.middle = middle
+        self.after_query = after_query
+        self.settings: dict[tuple[tuple[str, Any], ...], bytes] = {}
+
+    def settings_bytes(self, settings: dict[str, Any]) -> bytes:
+        """The driver's ``write_settings`` of ``settings`` for this connection."""
+        from clickhouse_driver.settings.writer import write_settings
+
+        written = _Captured()
+        write_settings(settings, written, self.settings_as_strings, self.flags)
+        return written.value()
+
+    def before_query(self, settings: dict[str, Any]) -> bytes:
+        """The bytes between the query id (or the fresh client info) and the query
+        text, for these settings."""
+        try:
+            key = tuple(settings.items())
+            kept = self.settings.get(key)
+        except TypeError:  # a setting's value that cannot be a key
+            return self.client_info + self.settings_bytes(settings) + self.middle
+        if kept is None:
+            if len(self.settings) >= _SETTINGS_KEPT:
+                self.settings.clear()
+            kept = self.settings[key] = (self.client_info + self.settings_bytes(settings)
+                                         + self.middle)
+        return kept
+
+
+def insert_query_packet(connection: Any) -> QueryPacket | None:
+    """:class:`QueryPacket` for ``connection`` as it stands (server revision, client
+    settings), cut from the bytes the driver's own ``send_query`` and
+    ``send_external_tables(None)`` write (captured into a buffer), and kept on the
+    connection until one of those changes. ``None`` when the captured bytes do not
+    split as expected (then the insert takes the driver's methods).
+    ``tests/unit/clickhouse/test_native.py`` checks that the pieces make the driver's
+    packet byte for byte."""
+    context = connection.context
+    client = context.client_settings
+    key = (connection.server_info.used_revision, connection.settings_is_important,
+           connection.compression, connection.client_name, connection.client_revision,
+           client.get("server_side_params"), client.get("quota_key"),
+           client.get("opentelemetry_traceparent"), client.get("opentelemetry_tracestate"))
+    kept: tuple[Any, QueryPacket | None] | None = getattr(
+        connection, "_blockagg_query_packet", None)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    packet = _query_packet(connection)
+    connection._blockagg_query_packet = (key, packet)
+    return packet
+
+
+def _query_packet(connection: Any) -> QueryPacket | None:
+    """:func:`insert_query_packet` on a new key: after the client info, the driver's
+    packet for an empty query and for a one-character one differ exactly at the query
+    text, which splits it; the settings are cut off the front of what precedes it."""
+    from clickhouse_driver import defines
+    from clickhouse_driver.clientinfo import ClientInfo
+    from clickhouse_driver.settings.writer import SettingsFlags
+
+    def driver(query: str) -> bytes:
+        def write() -> None:
+            connection.send_query(query, query_id="")
+            connection.send_external_tables(None)
+        return _capture(connection, write)
+
+    revision = connection.server_info.used_revision
+    head = _QUERY_PACKET_TYPE + b"\x00"
+    info: Any = None
+    start = len(head)
+    if revision >= defines.DBMS_MIN_REVISION_WITH_CLIENT_INFO:
+        info = ClientInfo(connection.client_name, connection.context,
+                          client_revision=connection.client_revision)
+        info.query_kind = ClientInfo.QueryKind.INITIAL_QUERY
+        written = _Captured()
+        info.write(revision, written)
+        start += len(written.value())
+    timed = revision >= defines.DBMS_MIN_PROTOCOL_VERSION_WITH_INITIAL_QUERY_START_TIME
+    empty, one = driver(""), driver("?")
+    if not (empty.startswith(head) and one.startswith(head)
+            and (timed or empty[:start] == one[:start])):
+        return None
+    tail_empty, tail_one = empty[start:], one[start:]
+    at = _first_difference(tail_empty, tail_one)
+    if (at < 0 or tail_empty[at] != 0
+            or tail_one != tail_empty[:at] + b"\x01?" + tail_empty[at + 1:]):
+        return None
+    packet = QueryPacket(info if timed else None, b"" if timed else empty[len(head):start],
+                         revision >= defines.DBMS_MIN_REVISION_WITH_SETTINGS_SERIALIZED_AS_STRINGS,
+                         SettingsFlags.IMPORTANT if connection.settings_is_important else 0,
+                         b"", tail_empty[at + 1:])
+    settings = packet.settings_bytes(connection.context.settings)
+    if not tail_empty[:at].startswith(settings):
+        return None
+    packet.middle = tail_empty[len(settings):at]
+    return packet
+
+
+def _first_difference(a: bytes, b: bytes) -> int:
+    """The first index where ``a`` and ``b`` differ (-1 if one starts the other)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return -1
+
+
+def end_of_data_packet(connection: Any) -> bytes:
+    """The bytes of the driver's ``connection.send_data(ColumnOrientedBlock())`` (the
+    empty block that ends an insert's data), captured once per server revision."""
+    revision = connection.server_info.used_revision
+    kept: tuple[int, bytes] | None = getattr(connection, "_blockagg_end_of_data", None)
+    if kept is not None and kept[0] == revision:
+        return kept[1]
+    from clickhouse_driver.block import ColumnOrientedBlock
+
+    captured = _capture(connection, lambda: connection.send_data(ColumnOrientedBlock()))
+    connection._blockagg_end_of_data = (revision, captured)
+    return captured
+
+
+def _capture(connection: Any, write: Any) -> bytes:
+    """What ``write()`` sends on ``connection`` (its writer and its block stream's
+    swapped for a buffer meanwhile)."""
+    captured = _Captured()
+    fout, stream = connection.fout, connection.block_out
+    stream_fout = stream.fout
+    connection.fout = stream.fout = captured
+    try:
+        write()
+    finally:
+        connection.fout, stream.fout = fout, stream_fout
+    return captured.value()

@@ -218,3 +218,157 @@ def test_block_framing_is_the_drivers() -> None:
     assert block.matches(specs)
     assert not block.matches([*specs[:3], ("tags", "Array(Int32)")])
     assert not block.matches([("other", "UInt64"), *specs[1:]])
+
+
+class _Sink:
+    """The driver's socket writer, as a buffer."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.flushes = 0
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+    def take(self) -> bytes:
+        out, self.data = bytes(self.data), bytearray()
+        return out
+
+
+class _Revision:
+    def __init__(self, revision: int) -> None:
+        self.used_revision = revision
+
+
+def _insert_client(revision: int, settings: dict[str, Any]) -> tuple[Any, _Sink]:
+    """A NativeClient whose connection is "connected" to a buffer, with the query
+    settings an ``execute(..., settings=settings)`` gives it."""
+    from clickhouse_driver.streams.native import BlockOutputStream
+
+    from blockagg.aggregator.clickhouse.native import native_client_class
+
+    client = native_client_class()("localhost", settings={"insert_deduplicate": 1})
+    client.make_query_settings(settings)
+    connection = client.connection
+    sink = _Sink()
+    connection.connected = True
+    connection.server_info = connection.context.server_info = _Revision(revision)
+    connection.fout = sink
+    connection.block_out = BlockOutputStream(sink, connection.context)
+    return client, sink
+
+
+def _driver_query(client: Any, sink: _Sink, query: str, query_id: str) -> bytes:
+    client.connection.send_query(query, query_id=query_id)
+    client.connection.send_external_tables(None)
+    return sink.take()
+
+
+# 54406: ClickHouse 18.16's; 54449: the first with the query's start time; then the
+# driver's own.
+REVISIONS = (54406, 54449, 54467)
+
+
+@pytest.fixture
+def fixed_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One start time for the driver's client info and NativeClient's (servers of
+    revision 54449 and later get the query's start time in the packet)."""
+    import time
+
+    import clickhouse_driver.clientinfo
+
+    monkeypatch.setattr(clickhouse_driver.clientinfo, "time", lambda: 1_700_000_000.25)
+    monkeypatch.setattr(time, "time", lambda: 1_700_000_000.25)
+
+
+@pytest.mark.parametrize("revision", REVISIONS)
+@pytest.mark.usefixtures("fixed_clock")
+def test_cached_query_packet_is_the_drivers(revision: int) -> None:
+    """NativeClient's insert query packet (cached per connection) is byte for byte
+    what the driver's send_query and send_external_tables write for the same insert,
+    query id and settings (quorum included), on every call."""
+    settings = {"insert_quorum": 2, "insert_quorum_timeout": 60_000, "use_numpy": True}
+    client, sink = _insert_client(revision, settings)
+    for query, query_id in itertools.product(
+            ("INSERT INTO db.t (`id`, `name`) VALUES", "INSERT INTO db.u (`é`) VALUES",
+             "INSERT INTO db.v (" + ", ".join(f"`c{i}`" for i in range(60)) + ") VALUES"),
+            ("", "blockagg-t-0-12-34", "blockagg-t-0-35-99")):
+        want = _driver_query(client, sink, query, query_id)
+        client.send_insert_query(query, query_id)
+        assert sink.take() == want
+    assert b"insert_quorum" in want
+    packet = client.connection._blockagg_query_packet[1]
+    assert packet is not None
+    assert len(packet.settings) == 1
+
+
+@pytest.mark.usefixtures("fixed_clock")
+def test_query_packet_cache_misses_on_a_changed_setting_table_or_revision() -> None:
+    """Another setting value (a per-block token too), another table or another server
+    revision gives the driver's bytes for it, never the cached ones; the connection's
+    pieces are rebuilt for another revision only."""
+    client, sink = _insert_client(54406, {"insert_quorum": 2})
+    query = "INSERT INTO db.t (`id`) VALUES"
+    client.send_insert_query(query, "q")
+    first = sink.take()
+    built = client.connection._blockagg_query_packet[1]
+
+    def other_setting() -> str:
+        client.make_query_settings({"insert_quorum": 1})
+        return query
+
+    def a_token() -> str:
+        client.make_query_settings({"insert_quorum": 1, "insert_deduplication_token": "b-1"})
+        return query
+
+    def other_revision() -> str:
+        client.connection.server_info.used_revision = 54467
+        return query
+
+    seen = {first}
+    for change, rebuilt in ((other_setting, False),
+                            (lambda: "INSERT INTO db.u (`id`) VALUES", False),
+                            (other_revision, True), (a_token, False)):
+        sql = change()
+        want = _driver_query(client, sink, sql, "q")
+        client.send_insert_query(sql, "q")
+        got = sink.take()
+        assert got == want
+        assert got not in seen
+        seen.add(got)
+        now = client.connection._blockagg_query_packet[1]
+        assert (now is not built) == rebuilt
+        built = now
+    assert b"insert_deduplication_token" in got
+
+
+def test_end_of_data_is_the_drivers() -> None:
+    """The empty block that ends an insert's data, sent with the block in one write
+    on servers that answer nothing between them, is the driver's bytes for it."""
+    from clickhouse_driver.block import ColumnOrientedBlock
+
+    from blockagg.aggregator.clickhouse.native import end_of_data_packet
+
+    for revision in REVISIONS:
+        client, sink = _insert_client(revision, {})
+        client.connection.send_data(ColumnOrientedBlock())
+        want = sink.take()
+        assert end_of_data_packet(client.connection) == want
+        assert sink.take() == b""
+
+
+def test_a_kept_match_is_only_for_the_same_columns() -> None:
+    """A sample block that matched one block's types does not match another block's
+    of other types on the same names (the kept match is per names and types)."""
+    specs = [("id", "UInt64"), ("name", "String")]
+    good = NativeBlock(["id", "name"], [parse_type("UInt64"), parse_type("String")],
+                       [np.array([1], dtype=np.uint64), _column("String", ["x"])])
+    other = NativeBlock(["id", "name"], [parse_type("Int64"), parse_type("String")],
+                        [np.array([1], dtype=np.int64), _column("String", ["x"])])
+    for _ in range(2):
+        assert good.matches(specs)
+        assert not other.matches(specs)
+    assert NativeBlock(good.names, good.types, list(good)).matches(specs)
