@@ -350,7 +350,7 @@ def test_end_of_data_is_the_drivers() -> None:
     on servers that answer nothing between them, is the driver's bytes for it."""
     from clickhouse_driver.block import ColumnOrientedBlock
 
-    from blockagg.aggregator.clickhouse.native import end_of_data_packet
+    from blockagg.aggregator.clickhouse.query_packet import end_of_data_packet
 
     for revision in REVISIONS:
         client, sink = _insert_client(revision, {})
