@@ -134,6 +134,24 @@ class BatchSummary:
     the tasks' time went."""
     commit_seconds: float = 0.0
     insert_seconds: float = 0.0
+    plan_seconds: float = 0.0
+    """The batch's phases on the driver, where ``seconds`` goes beyond the tasks:
+    reading its planned ranges (the offset log, and a consumer for inexact starts);
+    ``checks_seconds`` the new-partition check and the idle re-commits;
+    ``ends_seconds`` the partitions' log-end offsets (``partition_ends``);
+    ``spark_seconds`` Spark's job over the tasks, submission to the collected reports."""
+    checks_seconds: float = 0.0
+    ends_seconds: float = 0.0
+    spark_seconds: float = 0.0
+    start_seconds: float = 0.0
+    """From the Spark job's submission to the last task's Python function starting
+    (the driver's and the executors' clocks; one host in local mode): task launch and
+    Python worker start, what Spark takes before any of our task code runs."""
+    read_seconds: float = 0.0
+    """The slowest task's wait for its rows before the protocol ran: the Kafka fetch in
+    the JVM and the rows' handover to Python (``read_seconds`` of the reports)."""
+    task_starts: list[float] = field(default_factory=list)
+    """Each task's start (epoch seconds, the report's ``entered``)."""
     warnings: list[str] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
     retried: dict[str, int] = field(default_factory=dict)
@@ -158,6 +176,9 @@ class BatchSummary:
         self.commits += int(rep["commits"])
         self.max_task_seconds = max(self.max_task_seconds, float(rep["seconds"]))
         self.task_seconds += float(rep["seconds"])
+        self.read_seconds = max(self.read_seconds, float(rep.get("read_seconds", 0.0)))
+        if rep.get("entered") is not None:
+            self.task_starts.append(float(rep["entered"]))
         self.block_rows.extend(int(r) for r in rep.get("block_rows", ()))
         self.commit_seconds += sum(rep.get("commit_seconds", ()))
         self.insert_seconds += sum(s for _, s in rep.get("insert_seconds", ()))
@@ -451,10 +472,13 @@ class Driver:
         slow, :class:`BatchTimedOut` past ``job.batch_timeout``."""
         started = time.time()
         nonempty = {tp: r for tp, r in ranges.items() if not r.empty}
+        ends = self.partition_ends(nonempty)
+        ends_seconds = time.time() - started
         ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id,
-                          self.partition_ends(nonempty), dict(self.shard_partitions))
+                          ends, dict(self.shard_partitions))
         reports: list[dict[str, Any]] = []
         names = [f"{t}[{p}]" for t, p in sorted(nonempty)]
+        submitted = time.time()
         with self.watch.watching(batch_id, kind, names):
             try:
                 if nonempty and self.config.job.handover == "arrow":
@@ -468,6 +492,7 @@ class Driver:
                 if self.watch.timed_out is not None:
                     raise BatchTimedOut(self.watch.timed_out) from exc
                 raise
+        spark_seconds = time.time() - submitted
         done = {(r["topic"], r["partition"]) for r in reports}
         for tp in sorted(set(nonempty) - done):
             reports.append(run_range(ctx, tp, [], [], []))
@@ -477,6 +502,10 @@ class Driver:
             summary.add(rep)
             if int(rep["commits"]):
                 self.idle.saw_commit((rep["topic"], rep["partition"]))
+        summary.ends_seconds = ends_seconds
+        summary.spark_seconds = spark_seconds
+        if summary.task_starts:
+            summary.start_seconds = max(0.0, max(summary.task_starts) - submitted)
         summary.seconds = time.time() - started
         self.metrics.observe_reports(reports)
         return summary
@@ -584,8 +613,10 @@ class Driver:
         started = time.time()
         try:
             ranges = self._planned(batch_id)
+            planned = time.time()
             self.check_new_partitions(ranges)
             self.refresh_idle({tp: r for tp, r in ranges.items() if not r.empty})
+            checked = time.time()
             summary = self.run_ranges(df, ranges, batch_id)
         except BaseException as exc:
             self.metrics.batches.labels("failed").inc()
@@ -605,6 +636,8 @@ class Driver:
                 self._in_batch = False
         duration = time.time() - started
         summary.seconds = duration
+        summary.plan_seconds = planned - started
+        summary.checks_seconds = checked - planned
         self.metrics.batches.labels("ok").inc()
         self.metrics.batch_duration.observe(duration)
         self.metrics.last_batch_id.set(batch_id)
@@ -692,6 +725,12 @@ class Driver:
             task_seconds=round(summary.task_seconds, 3),
             commit_seconds=round(summary.commit_seconds, 3),
             insert_seconds=round(summary.insert_seconds, 3),
+            plan_seconds=round(summary.plan_seconds, 3),
+            checks_seconds=round(summary.checks_seconds, 3),
+            ends_seconds=round(summary.ends_seconds, 3),
+            spark_seconds=round(summary.spark_seconds, 3),
+            start_seconds=round(summary.start_seconds, 3),
+            read_seconds=round(summary.read_seconds, 3),
             **retried,
         )
 
