@@ -144,9 +144,16 @@ class BatchSummary:
     ends_seconds: float = 0.0
     spark_seconds: float = 0.0
     start_seconds: float = 0.0
-    """From the Spark job's submission to the last task's Python function starting
-    (the driver's and the executors' clocks; one host in local mode): task launch and
-    Python worker start, what Spark takes before any of our task code runs."""
+    """From the Spark job's submission to the first task's Python function starting
+    (the driver's and the executors' clocks; one host in local mode): planning, task
+    launch and Python worker start, what Spark takes before any of our task code
+    runs; ``last_start_seconds`` to the last task's."""
+    last_start_seconds: float = 0.0
+    build_seconds: float = 0.0
+    """Of ``spark_seconds``, building the tasks' plan on the driver (pickling the task
+    function and its context, Spark's analysis) before the job is submitted."""
+    fresh_workers: int = 0
+    """Tasks that ran in a new Python worker (which imported the job's code first)."""
     read_seconds: float = 0.0
     """The slowest task's wait for its rows before the protocol ran: the Kafka fetch in
     the JVM and the rows' handover to Python (``read_seconds`` of the reports)."""
@@ -179,6 +186,7 @@ class BatchSummary:
         self.read_seconds = max(self.read_seconds, float(rep.get("read_seconds", 0.0)))
         if rep.get("entered") is not None:
             self.task_starts.append(float(rep["entered"]))
+        self.fresh_workers += int(bool(rep.get("fresh_worker", False)))
         self.block_rows.extend(int(r) for r in rep.get("block_rows", ()))
         self.commit_seconds += sum(rep.get("commit_seconds", ()))
         self.insert_seconds += sum(s for _, s in rep.get("insert_seconds", ()))
@@ -478,16 +486,19 @@ class Driver:
                           ends, dict(self.shard_partitions))
         reports: list[dict[str, Any]] = []
         names = [f"{t}[{p}]" for t, p in sorted(nonempty)]
-        submitted = time.time()
+        submitted = built = time.time()
         with self.watch.watching(batch_id, kind, names):
             try:
                 if nonempty and self.config.job.handover == "arrow":
-                    rows = df.select(*ROW_COLUMNS).mapInArrow(
-                        partial(run_arrow_partition, ctx), REPORT_SCHEMA).collect()
-                    reports = [pickle.loads(row[0]) for row in rows]
+                    tasks = df.select(*ROW_COLUMNS).mapInArrow(
+                        partial(run_arrow_partition, ctx), REPORT_SCHEMA)
+                    built = time.time()
+                    reports = [pickle.loads(row[0]) for row in tasks.collect()]
                 elif nonempty:
-                    reports = df.select(*ROW_COLUMNS).rdd.mapPartitions(
-                        partial(run_partition, ctx)).collect()
+                    rdd = df.select(*ROW_COLUMNS).rdd.mapPartitions(
+                        partial(run_partition, ctx))
+                    built = time.time()
+                    reports = rdd.collect()
             except Exception as exc:
                 if self.watch.timed_out is not None:
                     raise BatchTimedOut(self.watch.timed_out) from exc
@@ -504,8 +515,10 @@ class Driver:
                 self.idle.saw_commit((rep["topic"], rep["partition"]))
         summary.ends_seconds = ends_seconds
         summary.spark_seconds = spark_seconds
+        summary.build_seconds = built - submitted
         if summary.task_starts:
-            summary.start_seconds = max(0.0, max(summary.task_starts) - submitted)
+            summary.start_seconds = max(0.0, min(summary.task_starts) - submitted)
+            summary.last_start_seconds = max(0.0, max(summary.task_starts) - submitted)
         summary.seconds = time.time() - started
         self.metrics.observe_reports(reports)
         return summary
@@ -729,7 +742,10 @@ class Driver:
             checks_seconds=round(summary.checks_seconds, 3),
             ends_seconds=round(summary.ends_seconds, 3),
             spark_seconds=round(summary.spark_seconds, 3),
+            build_seconds=round(summary.build_seconds, 3),
             start_seconds=round(summary.start_seconds, 3),
+            last_start_seconds=round(summary.last_start_seconds, 3),
+            fresh_workers=summary.fresh_workers,
             read_seconds=round(summary.read_seconds, 3),
             **retried,
         )

@@ -334,25 +334,27 @@ def test_the_batch_line_splits_the_batch_into_its_driver_phases(
         summary.add({"messages": 1, "rows": 1, "bytes": 1, "blocks": 1,
                      "replayed_blocks": 0, "dead_letters": {}, "skipped": False,
                      "commits": 1, "seconds": 0.02, "partition": 0, "topic": "t",
-                     "entered": 5.0, "read_seconds": 0.03})
+                     "entered": 5.0, "read_seconds": 0.03, "fresh_worker": True})
         return summary
 
     d.partitions.add(("t", 0))
     d._planned = planned  # type: ignore[method-assign]
-    d.run_ranges = run  # type: ignore[method-assign]
+    d.run_ranges = run  # type: ignore[method-assign,assignment]
     with caplog.at_level(logging.INFO, logger="blockagg.job"):
         d.on_batch(MagicMock(), 3)
     [summary] = d.batches
     assert 0.1 <= summary.plan_seconds < summary.seconds
     assert 0.0 <= summary.checks_seconds < 0.05
     assert summary.read_seconds == 0.03 and summary.task_starts == [5.0]
+    assert summary.fresh_workers == 1
     [fields] = [getattr(r, logs._FIELDS_ATTR) for r in caplog.records
                 if r.getMessage() == "batch"]
     assert {k: fields[k] for k in ("plan_seconds", "spark_seconds", "ends_seconds",
                                    "read_seconds")} == {
         "plan_seconds": round(summary.plan_seconds, 3), "spark_seconds": 0.05,
         "ends_seconds": 0.01, "read_seconds": 0.03}
-    assert "checks_seconds" in fields and "start_seconds" in fields
+    assert {"checks_seconds", "build_seconds", "start_seconds", "last_start_seconds",
+            "fresh_workers"} <= set(fields)
 
 
 def test_partitions_added_while_running_have_the_tables_judged_again() -> None:
