@@ -106,7 +106,7 @@ from blockagg.spark.task import (
     run_partition,
     run_range,
 )
-from blockagg.spark.watch import BatchWatch, Watchdog, stage_progress
+from blockagg.spark.watch import BatchWatch, Watchdog, job_times, stage_progress
 
 log = logs.get("job")
 
@@ -149,6 +149,12 @@ class BatchSummary:
     launch and Python worker start, what Spark takes before any of our task code
     runs; ``last_start_seconds`` to the last task's."""
     last_start_seconds: float = 0.0
+    submit_seconds: float = 0.0
+    """Of ``start_seconds``, Spark's status store's account (0 when it can't tell):
+    from the collect to the job's submission to the scheduler (planning the query in
+    the JVM), then ``launch_seconds`` to its first task's launch; the rest of
+    ``start_seconds`` is the executor starting the task and its Python worker."""
+    launch_seconds: float = 0.0
     build_seconds: float = 0.0
     """Of ``spark_seconds``, building the tasks' plan on the driver (pickling the task
     function and its context, Spark's analysis) before the job is submitted."""
@@ -504,6 +510,7 @@ class Driver:
                     raise BatchTimedOut(self.watch.timed_out) from exc
                 raise
         spark_seconds = time.time() - submitted
+        times = job_times(self.spark) if nonempty else None
         done = {(r["topic"], r["partition"]) for r in reports}
         for tp in sorted(set(nonempty) - done):
             reports.append(run_range(ctx, tp, [], [], []))
@@ -516,6 +523,9 @@ class Driver:
         summary.ends_seconds = ends_seconds
         summary.spark_seconds = spark_seconds
         summary.build_seconds = built - submitted
+        if times is not None:
+            summary.submit_seconds = max(0.0, times[0] - built)
+            summary.launch_seconds = max(0.0, times[1] - times[0])
         if summary.task_starts:
             summary.start_seconds = max(0.0, min(summary.task_starts) - submitted)
             summary.last_start_seconds = max(0.0, max(summary.task_starts) - submitted)
@@ -745,6 +755,8 @@ class Driver:
             build_seconds=round(summary.build_seconds, 3),
             start_seconds=round(summary.start_seconds, 3),
             last_start_seconds=round(summary.last_start_seconds, 3),
+            submit_seconds=round(summary.submit_seconds, 3),
+            launch_seconds=round(summary.launch_seconds, 3),
             fresh_workers=summary.fresh_workers,
             read_seconds=round(summary.read_seconds, 3),
             **retried,

@@ -354,7 +354,7 @@ def test_the_batch_line_splits_the_batch_into_its_driver_phases(
         "plan_seconds": round(summary.plan_seconds, 3), "spark_seconds": 0.05,
         "ends_seconds": 0.01, "read_seconds": 0.03}
     assert {"checks_seconds", "build_seconds", "start_seconds", "last_start_seconds",
-            "fresh_workers"} <= set(fields)
+            "submit_seconds", "launch_seconds", "fresh_workers"} <= set(fields)
 
 
 def test_partitions_added_while_running_have_the_tables_judged_again() -> None:
