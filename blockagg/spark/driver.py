@@ -257,6 +257,7 @@ class Driver:
         self.run_id = run_id if run_id is not None else (
             config.job.run_id if config.job.run_id is not None else secrets.randbits(64))
         self.offset_log = OffsetLog(spark, config.job.checkpoint_location)
+        self._consumer: Any = None
         self._state = threading.Lock()
         self._stop_requested = threading.Event()
         self._in_batch = False
@@ -545,17 +546,31 @@ class Driver:
         if not ranges:
             return {}
         try:
-            consumer = make_consumer(self.config.kafka.librdkafka_config(),
-                                     self.config.job.metadata_group_id)
-            try:
-                marks = watermarks(consumer, ranges)
-            finally:
-                consumer.close()
+            marks = watermarks(self._offsets_consumer(), ranges)
         except Exception as exc:
+            self.close_offsets_consumer()  # the next batch connects afresh
             logs.event(log, "partition ends unknown", level=30,
                        error=f"{type(exc).__name__}: {str(exc)[:500]}")
             return {}
         return {tp: max(high, ranges[tp].end) for tp, (_low, high) in marks.items()}
+
+    def _offsets_consumer(self) -> Any:
+        """The driver's consumer for watermarks (``partition_ends``, inexact starts),
+        made once and kept across batches: a consumer per batch cost each batch its
+        connection to the brokers (``ends_seconds``). It never joins its group nor
+        commits, so keeping it holds no partition."""
+        if self._consumer is None:
+            self._consumer = make_consumer(self.config.kafka.librdkafka_config(),
+                                           self.config.job.metadata_group_id)
+        return self._consumer
+
+    def close_offsets_consumer(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            try:
+                consumer.close()
+            except Exception as exc:  # closing a consumer whose brokers are gone
+                log.debug("closing the offsets consumer failed: %s", exc)
 
     def recover(self, committed: Mapping[TopicPartition, Committed]) -> None:
         ranges, batch_id = self.recovery_ranges(committed)
@@ -608,12 +623,12 @@ class Driver:
         ranges = self.offset_log.planned_ranges(batch_id)
         inexact = [tp for tp, r in ranges.items() if not r.exact_start]
         if inexact:
-            consumer = make_consumer(self.config.kafka.librdkafka_config(),
-                                     self.config.job.metadata_group_id)
             try:
-                low = {tp: lo for tp, (lo, _) in watermarks(consumer, inexact).items()}
-            finally:
-                consumer.close()
+                low = {tp: lo for tp, (lo, _) in
+                       watermarks(self._offsets_consumer(), inexact).items()}
+            except Exception:
+                self.close_offsets_consumer()
+                raise
             ranges = self.offset_log.planned_ranges(batch_id, earliest=low)
         return ranges
 
@@ -922,6 +937,10 @@ class Driver:
                     break
         finally:
             self.watchdog.stop()
+            with self._state:
+                in_batch = self._in_batch
+            if not in_batch:  # an abandoned batch may still use it: the exit closes it
+                self.close_offsets_consumer()
             if self.lock is not None:
                 self.lock.release()
             if self.jvm_signals is not None:
