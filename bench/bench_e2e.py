@@ -354,7 +354,8 @@ port = 0
         def poll() -> None:
             client = ch_client(self.host, self.ports[0])
             while not stop.is_set():
-                low = min((i for i in sent if i not in seen), default=None)
+                # list(): one step under the GIL, while the producing thread adds to sent
+                low = min((i for i in list(sent) if i not in seen), default=None)
                 if low is not None:
                     for (i,) in client.execute(
                             f"SELECT id FROM {self.database}.probe WHERE id >= {low}"):

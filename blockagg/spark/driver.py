@@ -106,7 +106,7 @@ from blockagg.spark.task import (
     run_partition,
     run_range,
 )
-from blockagg.spark.watch import BatchWatch, Watchdog, stage_progress
+from blockagg.spark.watch import BatchWatch, Watchdog, job_times, stage_progress
 
 log = logs.get("job")
 
@@ -134,6 +134,37 @@ class BatchSummary:
     the tasks' time went."""
     commit_seconds: float = 0.0
     insert_seconds: float = 0.0
+    plan_seconds: float = 0.0
+    """The batch's phases on the driver, where ``seconds`` goes beyond the tasks:
+    reading its planned ranges (the offset log, and a consumer for inexact starts);
+    ``checks_seconds`` the new-partition check and the idle re-commits;
+    ``ends_seconds`` the partitions' log-end offsets (``partition_ends``);
+    ``spark_seconds`` Spark's job over the tasks, submission to the collected reports."""
+    checks_seconds: float = 0.0
+    ends_seconds: float = 0.0
+    spark_seconds: float = 0.0
+    start_seconds: float = 0.0
+    """From the Spark job's submission to the first task's Python function starting
+    (the driver's and the executors' clocks; one host in local mode): planning, task
+    launch and Python worker start, what Spark takes before any of our task code
+    runs; ``last_start_seconds`` to the last task's."""
+    last_start_seconds: float = 0.0
+    submit_seconds: float = 0.0
+    """Of ``start_seconds``, Spark's status store's account (0 when it can't tell):
+    from the collect to the job's submission to the scheduler (planning the query in
+    the JVM), then ``launch_seconds`` to its first task's launch; the rest of
+    ``start_seconds`` is the executor starting the task and its Python worker."""
+    launch_seconds: float = 0.0
+    build_seconds: float = 0.0
+    """Of ``spark_seconds``, building the tasks' plan on the driver (pickling the task
+    function and its context, Spark's analysis) before the job is submitted."""
+    fresh_workers: int = 0
+    """Tasks that ran in a new Python worker (which imported the job's code first)."""
+    read_seconds: float = 0.0
+    """The slowest task's wait for its rows before the protocol ran: the Kafka fetch in
+    the JVM and the rows' handover to Python (``read_seconds`` of the reports)."""
+    task_starts: list[float] = field(default_factory=list)
+    """Each task's start (epoch seconds, the report's ``entered``)."""
     warnings: list[str] = field(default_factory=list)
     reasons: Counter[str] = field(default_factory=Counter)
     retried: dict[str, int] = field(default_factory=dict)
@@ -158,6 +189,10 @@ class BatchSummary:
         self.commits += int(rep["commits"])
         self.max_task_seconds = max(self.max_task_seconds, float(rep["seconds"]))
         self.task_seconds += float(rep["seconds"])
+        self.read_seconds = max(self.read_seconds, float(rep.get("read_seconds", 0.0)))
+        if rep.get("entered") is not None:
+            self.task_starts.append(float(rep["entered"]))
+        self.fresh_workers += int(bool(rep.get("fresh_worker", False)))
         self.block_rows.extend(int(r) for r in rep.get("block_rows", ()))
         self.commit_seconds += sum(rep.get("commit_seconds", ()))
         self.insert_seconds += sum(s for _, s in rep.get("insert_seconds", ()))
@@ -222,6 +257,7 @@ class Driver:
         self.run_id = run_id if run_id is not None else (
             config.job.run_id if config.job.run_id is not None else secrets.randbits(64))
         self.offset_log = OffsetLog(spark, config.job.checkpoint_location)
+        self._consumer: Any = None
         self._state = threading.Lock()
         self._stop_requested = threading.Event()
         self._in_batch = False
@@ -451,23 +487,31 @@ class Driver:
         slow, :class:`BatchTimedOut` past ``job.batch_timeout``."""
         started = time.time()
         nonempty = {tp: r for tp, r in ranges.items() if not r.empty}
+        ends = self.partition_ends(nonempty)
+        ends_seconds = time.time() - started
         ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id,
-                          self.partition_ends(nonempty), dict(self.shard_partitions))
+                          ends, dict(self.shard_partitions))
         reports: list[dict[str, Any]] = []
         names = [f"{t}[{p}]" for t, p in sorted(nonempty)]
+        submitted = built = time.time()
         with self.watch.watching(batch_id, kind, names):
             try:
                 if nonempty and self.config.job.handover == "arrow":
-                    rows = df.select(*ROW_COLUMNS).mapInArrow(
-                        partial(run_arrow_partition, ctx), REPORT_SCHEMA).collect()
-                    reports = [pickle.loads(row[0]) for row in rows]
+                    tasks = df.select(*ROW_COLUMNS).mapInArrow(
+                        partial(run_arrow_partition, ctx), REPORT_SCHEMA)
+                    built = time.time()
+                    reports = [pickle.loads(row[0]) for row in tasks.collect()]
                 elif nonempty:
-                    reports = df.select(*ROW_COLUMNS).rdd.mapPartitions(
-                        partial(run_partition, ctx)).collect()
+                    rdd = df.select(*ROW_COLUMNS).rdd.mapPartitions(
+                        partial(run_partition, ctx))
+                    built = time.time()
+                    reports = rdd.collect()
             except Exception as exc:
                 if self.watch.timed_out is not None:
                     raise BatchTimedOut(self.watch.timed_out) from exc
                 raise
+        spark_seconds = time.time() - submitted
+        times = job_times(self.spark) if nonempty else None
         done = {(r["topic"], r["partition"]) for r in reports}
         for tp in sorted(set(nonempty) - done):
             reports.append(run_range(ctx, tp, [], [], []))
@@ -477,6 +521,15 @@ class Driver:
             summary.add(rep)
             if int(rep["commits"]):
                 self.idle.saw_commit((rep["topic"], rep["partition"]))
+        summary.ends_seconds = ends_seconds
+        summary.spark_seconds = spark_seconds
+        summary.build_seconds = built - submitted
+        if times is not None:
+            summary.submit_seconds = max(0.0, times[0] - built)
+            summary.launch_seconds = max(0.0, times[1] - times[0])
+        if summary.task_starts:
+            summary.start_seconds = max(0.0, min(summary.task_starts) - submitted)
+            summary.last_start_seconds = max(0.0, max(summary.task_starts) - submitted)
         summary.seconds = time.time() - started
         self.metrics.observe_reports(reports)
         return summary
@@ -493,17 +546,31 @@ class Driver:
         if not ranges:
             return {}
         try:
-            consumer = make_consumer(self.config.kafka.librdkafka_config(),
-                                     self.config.job.metadata_group_id)
-            try:
-                marks = watermarks(consumer, ranges)
-            finally:
-                consumer.close()
+            marks = watermarks(self._offsets_consumer(), ranges)
         except Exception as exc:
+            self.close_offsets_consumer()  # the next batch connects afresh
             logs.event(log, "partition ends unknown", level=30,
                        error=f"{type(exc).__name__}: {str(exc)[:500]}")
             return {}
         return {tp: max(high, ranges[tp].end) for tp, (_low, high) in marks.items()}
+
+    def _offsets_consumer(self) -> Any:
+        """The driver's consumer for watermarks (``partition_ends``, inexact starts),
+        made once and kept across batches: a consumer per batch cost each batch its
+        connection to the brokers (``ends_seconds``). It never joins its group nor
+        commits, so keeping it holds no partition."""
+        if self._consumer is None:
+            self._consumer = make_consumer(self.config.kafka.librdkafka_config(),
+                                           self.config.job.metadata_group_id)
+        return self._consumer
+
+    def close_offsets_consumer(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            try:
+                consumer.close()
+            except Exception as exc:  # closing a consumer whose brokers are gone
+                log.debug("closing the offsets consumer failed: %s", exc)
 
     def recover(self, committed: Mapping[TopicPartition, Committed]) -> None:
         ranges, batch_id = self.recovery_ranges(committed)
@@ -556,12 +623,12 @@ class Driver:
         ranges = self.offset_log.planned_ranges(batch_id)
         inexact = [tp for tp, r in ranges.items() if not r.exact_start]
         if inexact:
-            consumer = make_consumer(self.config.kafka.librdkafka_config(),
-                                     self.config.job.metadata_group_id)
             try:
-                low = {tp: lo for tp, (lo, _) in watermarks(consumer, inexact).items()}
-            finally:
-                consumer.close()
+                low = {tp: lo for tp, (lo, _) in
+                       watermarks(self._offsets_consumer(), inexact).items()}
+            except Exception:
+                self.close_offsets_consumer()
+                raise
             ranges = self.offset_log.planned_ranges(batch_id, earliest=low)
         return ranges
 
@@ -584,8 +651,10 @@ class Driver:
         started = time.time()
         try:
             ranges = self._planned(batch_id)
+            planned = time.time()
             self.check_new_partitions(ranges)
             self.refresh_idle({tp: r for tp, r in ranges.items() if not r.empty})
+            checked = time.time()
             summary = self.run_ranges(df, ranges, batch_id)
         except BaseException as exc:
             self.metrics.batches.labels("failed").inc()
@@ -605,6 +674,8 @@ class Driver:
                 self._in_batch = False
         duration = time.time() - started
         summary.seconds = duration
+        summary.plan_seconds = planned - started
+        summary.checks_seconds = checked - planned
         self.metrics.batches.labels("ok").inc()
         self.metrics.batch_duration.observe(duration)
         self.metrics.last_batch_id.set(batch_id)
@@ -692,6 +763,17 @@ class Driver:
             task_seconds=round(summary.task_seconds, 3),
             commit_seconds=round(summary.commit_seconds, 3),
             insert_seconds=round(summary.insert_seconds, 3),
+            plan_seconds=round(summary.plan_seconds, 3),
+            checks_seconds=round(summary.checks_seconds, 3),
+            ends_seconds=round(summary.ends_seconds, 3),
+            spark_seconds=round(summary.spark_seconds, 3),
+            build_seconds=round(summary.build_seconds, 3),
+            start_seconds=round(summary.start_seconds, 3),
+            last_start_seconds=round(summary.last_start_seconds, 3),
+            submit_seconds=round(summary.submit_seconds, 3),
+            launch_seconds=round(summary.launch_seconds, 3),
+            fresh_workers=summary.fresh_workers,
+            read_seconds=round(summary.read_seconds, 3),
             **retried,
         )
 
@@ -855,6 +937,10 @@ class Driver:
                     break
         finally:
             self.watchdog.stop()
+            with self._state:
+                in_batch = self._in_batch
+            if not in_batch:  # an abandoned batch may still use it: the exit closes it
+                self.close_offsets_consumer()
             if self.lock is not None:
                 self.lock.release()
             if self.jvm_signals is not None:

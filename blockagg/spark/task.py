@@ -563,10 +563,31 @@ def records_from_arrow(batches: Iterable[pa.RecordBatch]) -> Records | None:
 
 def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, Any]]:
     """``mapPartitions`` function: rows are (topic, partition, offset, value, timestamp)."""
+    entered = time.time()
     records = records_from_rows(rows)
+    read = time.time() - entered
     if records is not None:
-        yield run_range(ctx, records.tp, records.offsets, records.values,
-                        records.timestamps_ms)
+        yield _timed(run_range(ctx, records.tp, records.offsets, records.values,
+                               records.timestamps_ms), entered, read)
+
+
+_WORKER_TASKS = [0]
+"""Tasks this Python worker process ran before the current one (Spark reuses a worker
+across tasks and batches unless ``spark.python.worker.reuse`` is off)."""
+
+
+def _timed(report: dict[str, Any], entered: float, read: float) -> dict[str, Any]:
+    """The report with when the task's Python function started (``entered``, epoch
+    seconds), how long it waited for its rows before the protocol ran
+    (``read_seconds``: the Kafka fetch in the JVM and the handover to Python) and
+    whether its Python worker was new (``fresh_worker``: it imported the job's code
+    for this task), so the batch line tells Spark's part of a task from ours
+    (``seconds``)."""
+    report["entered"] = entered
+    report["read_seconds"] = read
+    report["fresh_worker"] = _WORKER_TASKS[0] == 0
+    _WORKER_TASKS[0] += 1
+    return report
 
 
 REPORT_SCHEMA = "report binary"
@@ -577,11 +598,13 @@ def run_arrow_partition(ctx: TaskContext,
                         batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` function over record batches of (topic, partition, offset, value,
     timestamp), in offset order; yields one batch holding the pickled report."""
+    entered = time.time()
     records = records_from_arrow(batches)
+    read = time.time() - entered
     if records is None:
         return
-    report = run_range(ctx, records.tp, records.offsets, records.values,
-                       records.timestamps_ms)
+    report = _timed(run_range(ctx, records.tp, records.offsets, records.values,
+                              records.timestamps_ms), entered, read)
     yield pa.RecordBatch.from_pydict(
         {"report": [pickle.dumps(report, protocol=pickle.HIGHEST_PROTOCOL)]},
         schema=pa.schema([("report", pa.binary())]))

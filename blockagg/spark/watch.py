@@ -136,6 +136,28 @@ def stage_progress(spark: Any) -> str | None:
         return None
 
 
+def job_times(spark: Any) -> tuple[float, float] | None:
+    """When Spark's last job of this thread's job group (the micro-batch's, Spark sets
+    it to the query's run) was submitted to its scheduler and when its first task was
+    launched (epoch seconds), from Spark's status store; None when Spark can't tell
+    (never raises: it only splits the batch line's ``start_seconds``)."""
+    try:
+        sc = spark.sparkContext
+        ids = sc.statusTracker().getJobIdsForGroup(sc.getLocalProperty("spark.jobGroup.id"))
+        if not ids:
+            return None
+        store = sc._jsc.sc().statusStore()
+        job = store.job(max(ids))
+        submitted = job.submissionTime().get().getTime() / 1000
+        stages = job.stageIds()
+        launched = [store.lastStageAttempt(stages.apply(k)).firstTaskLaunchedTime()
+                    for k in range(stages.size())]
+        first = min(t.get().getTime() / 1000 for t in launched if t.isDefined())
+        return float(submitted), float(first)
+    except Exception:
+        return None
+
+
 class Watchdog:
     """A daemon thread asking :meth:`BatchWatch.due` every ``tick`` seconds and
     calling ``on_warn`` / ``on_timeout`` with the verdict."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
 
@@ -15,7 +16,7 @@ from blockagg.config import loads
 from blockagg.spark.driver import Driver
 from blockagg.spark.exceptions import BatchTimedOut
 from blockagg.spark.offsets import PlannedRange
-from blockagg.spark.watch import BatchWatch, Watchdog, stage_progress
+from blockagg.spark.watch import BatchWatch, Watchdog, job_times, stage_progress
 
 CONFIG = """
 [job]
@@ -122,3 +123,51 @@ def test_batch_timeout_is_configured_and_bounded() -> None:
     assert loads(CONFIG.format(timeout="10min")).job.batch_timeout == 600
     with pytest.raises(Exception, match="batch_timeout: must be greater than 0"):
         loads(CONFIG.format(timeout="0s"))
+
+
+class _Option:
+    def __init__(self, ms: int | None) -> None:
+        self.ms = ms
+
+    def isDefined(self) -> bool:  # py4j's Scala Option
+        return self.ms is not None
+
+    def get(self) -> Any:
+        return SimpleNamespace(getTime=lambda: self.ms)
+
+
+class _Seq(list[Any]):
+    def size(self) -> int:
+        return len(self)
+
+    def apply(self, k: int) -> Any:
+        return self[k]
+
+
+def _spark(jobs: dict[int, tuple[int, list[int]]], stages: dict[int, int | None],
+           group: str | None = "run-1") -> Any:
+    """Spark's status tracker and store as py4j shows them: job -> (submitted ms,
+    stage ids), stage -> first task launched ms."""
+    store = SimpleNamespace(
+        job=lambda i: SimpleNamespace(submissionTime=lambda: _Option(jobs[i][0]),
+                                      stageIds=lambda: _Seq(jobs[i][1])),
+        lastStageAttempt=lambda s: SimpleNamespace(
+            firstTaskLaunchedTime=lambda: _Option(stages[s])))
+    tracker = SimpleNamespace(
+        getJobIdsForGroup=lambda g: sorted(jobs) if g == group else [])
+    sc = SimpleNamespace(statusTracker=lambda: tracker,
+                         getLocalProperty=lambda key: group,
+                         _jsc=SimpleNamespace(sc=lambda: SimpleNamespace(
+                             statusStore=lambda: store)))
+    return SimpleNamespace(sparkContext=sc)
+
+
+def test_job_times_are_the_last_jobs_submission_and_first_task_launch() -> None:
+    spark = _spark({3: (1_000, [5]), 4: (10_500, [6, 7])}, {5: 1_200, 6: None, 7: 10_900})
+    assert job_times(spark) == (10.5, 10.9)
+
+
+def test_job_times_never_raise_when_spark_cannot_tell() -> None:
+    assert job_times(_spark({}, {})) is None
+    assert job_times(_spark({4: (10_500, [6])}, {6: None})) is None  # no task launched
+    assert job_times(SimpleNamespace()) is None

@@ -313,6 +313,50 @@ def test_py4j_callback_traces_only_at_debug() -> None:
         root.setLevel(before)
 
 
+def test_the_batch_line_splits_the_batch_into_its_driver_phases(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Where a batch's time goes beyond its tasks: the plan (offset log), the checks
+    (new partitions, idle re-commits), the partitions' ends, Spark's job and, within
+    it, the wait for the last task to start and for a task's rows."""
+    import time
+
+    d = _driver()
+    empty = MagicMock(empty=True)
+
+    def planned(batch_id: int) -> dict[Any, Any]:
+        time.sleep(0.1)
+        return {("t", 0): empty}
+
+    def run(df: Any, ranges: Any, batch_id: int) -> BatchSummary:
+        time.sleep(0.05)
+        summary = BatchSummary(batch_id)
+        summary.spark_seconds, summary.ends_seconds = 0.05, 0.01
+        summary.add({"messages": 1, "rows": 1, "bytes": 1, "blocks": 1,
+                     "replayed_blocks": 0, "dead_letters": {}, "skipped": False,
+                     "commits": 1, "seconds": 0.02, "partition": 0, "topic": "t",
+                     "entered": 5.0, "read_seconds": 0.03, "fresh_worker": True})
+        return summary
+
+    d.partitions.add(("t", 0))
+    d._planned = planned  # type: ignore[method-assign]
+    d.run_ranges = run  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.INFO, logger="blockagg.job"):
+        d.on_batch(MagicMock(), 3)
+    [summary] = d.batches
+    assert 0.1 <= summary.plan_seconds < summary.seconds
+    assert 0.0 <= summary.checks_seconds < 0.05
+    assert summary.read_seconds == 0.03 and summary.task_starts == [5.0]
+    assert summary.fresh_workers == 1
+    [fields] = [getattr(r, logs._FIELDS_ATTR) for r in caplog.records
+                if r.getMessage() == "batch"]
+    assert {k: fields[k] for k in ("plan_seconds", "spark_seconds", "ends_seconds",
+                                   "read_seconds")} == {
+        "plan_seconds": round(summary.plan_seconds, 3), "spark_seconds": 0.05,
+        "ends_seconds": 0.01, "read_seconds": 0.03}
+    assert {"checks_seconds", "build_seconds", "start_seconds", "last_start_seconds",
+            "submit_seconds", "launch_seconds", "fresh_workers"} <= set(fields)
+
+
 def test_partitions_added_while_running_have_the_tables_judged_again() -> None:
     """A topic grown from 2 to 3 partitions raises the shard's deduplication need: the
     batch that first sees the new one checks every table again, before any I/O."""

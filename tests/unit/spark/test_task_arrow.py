@@ -29,7 +29,8 @@ SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()),
                     ("timestamp", pa.timestamp("us", tz="UTC"))])
 """The columns Spark's Kafka source hands to ``mapInArrow`` (``ROW_COLUMNS``)."""
 
-TIMING = ("seconds", "insert_seconds", "commit_seconds")
+TIMING = ("seconds", "insert_seconds", "commit_seconds", "entered", "read_seconds",
+          "fresh_worker")
 
 
 def records(offsets: Sequence[int], values: Sequence[bytes | None], partition: int = 0,
@@ -124,6 +125,38 @@ def test_payloads_carry_the_same_timestamps_and_values() -> None:
     delivered = {o: (ts, v) for _, rows in sinks[1] for o, ts, v in rows}
     assert delivered[1] == (1_795_314_129_018, b"\xff garbage")
     assert delivered[3][0] == 0  # no timestamp
+
+
+def test_the_wait_for_rows_is_read_seconds_apart_from_the_protocols_seconds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task's rows arrive as Spark fetches them: the time before the protocol runs
+    is the report's ``read_seconds`` (Spark's part), not its ``seconds`` (ours), and
+    ``entered`` says when the task's Python function started, for the batch line's
+    ``start_seconds``."""
+    import time
+
+    data = records(list(range(len(VALUES))), VALUES)
+    ranges = {("t", 0): PlannedRange("t", 0, 0, len(VALUES))}
+
+    def slow_rows() -> Any:
+        time.sleep(0.2)
+        yield from data
+
+    def slow_batches() -> Any:
+        time.sleep(0.2)
+        yield from batches(data, [3])
+
+    monkeypatch.setattr("blockagg.spark.task._WORKER_TASKS", [0])  # a new Python worker
+    before = time.time()
+    reports = [*run_partition(ctx(Components(), ranges), slow_rows()),
+               pickle.loads(next(iter(run_arrow_partition(
+                   ctx(Components(), ranges), slow_batches()))).column(0)[0].as_py())]
+    for report in reports:
+        assert before <= report["entered"] <= time.time()
+        assert 0.2 <= report["read_seconds"] < 0.2 + 1.0
+        assert report["seconds"] < 0.2
+    # the worker's first task is the one that imported the job's code
+    assert [r["fresh_worker"] for r in reports] == [True, False]
 
 
 def test_empty_batches_yield_nothing() -> None:

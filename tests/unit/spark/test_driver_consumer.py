@@ -1,0 +1,74 @@
+"""The driver's watermark reads (the partitions' ends each batch, inexact starts) share
+one consumer across batches: a consumer per batch cost each batch a connection to the
+brokers (issue 28 item 2, ``ends_seconds`` on the batch line)."""
+
+from __future__ import annotations
+
+from typing import Any
+from unittest.mock import MagicMock
+
+import pytest
+
+from blockagg.config import loads
+from blockagg.spark.driver import Driver
+from blockagg.spark.offsets import PlannedRange
+
+CONFIG = """
+[job]
+checkpoint_location = "/tmp/ck"
+[kafka]
+"bootstrap.servers" = "x:1"
+[[topics]]
+name = "t"
+replicas = ["ch:9000"]
+"""
+
+RANGES = {("t", 0): PlannedRange("t", 0, 10, 20), ("t", 1): PlannedRange("t", 1, 5, 9)}
+
+
+class Brokers:
+    """Consumers as the driver sees them: watermarks per partition, or a failure."""
+
+    def __init__(self) -> None:
+        self.made: list[MagicMock] = []
+        self.down = False
+
+    def consumer(self, config: Any, group: str) -> MagicMock:
+        consumer = MagicMock()
+
+        def marks(tp: Any, timeout: float) -> tuple[int, int]:
+            if self.down or consumer.close.called:
+                raise RuntimeError("KafkaError: _TRANSPORT")
+            return 0, 30 + tp.partition
+
+        consumer.get_watermark_offsets.side_effect = marks
+        self.made.append(consumer)
+        return consumer
+
+
+@pytest.fixture
+def brokers(monkeypatch: pytest.MonkeyPatch) -> Brokers:
+    b = Brokers()
+    monkeypatch.setattr("blockagg.spark.driver.make_consumer", b.consumer)
+    return b
+
+
+def test_one_consumer_serves_every_batchs_partition_ends(brokers: Brokers) -> None:
+    d = Driver(loads(CONFIG), MagicMock(), components=MagicMock(), run_id=1)
+    for _ in range(3):
+        assert d.partition_ends(RANGES) == {("t", 0): 30, ("t", 1): 31}
+    assert len(brokers.made) == 1 and not brokers.made[0].close.called
+
+
+def test_a_failed_read_drops_the_consumer_and_the_next_batch_connects_afresh(
+        brokers: Brokers) -> None:
+    d = Driver(loads(CONFIG), MagicMock(), components=MagicMock(), run_id=1)
+    d.partition_ends(RANGES)
+    brokers.down = True
+    assert d.partition_ends(RANGES) == {}  # the batch runs without the check
+    assert brokers.made[0].close.called
+    brokers.down = False
+    assert d.partition_ends(RANGES) == {("t", 0): 30, ("t", 1): 31}
+    assert len(brokers.made) == 2
+    d.close_offsets_consumer()
+    assert brokers.made[1].close.called
