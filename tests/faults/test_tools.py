@@ -150,9 +150,8 @@ def test_lost_acknowledgement_leaves_one_copy(workload: Workload, stack: StackCo
 def test_kill9_and_restart_a_replica(stack: StackControl) -> None:
     pid = stack.kill9("clickhouse-r2")
     assert not stack.is_up("clickhouse-r2")
-    seconds = stack.up()
+    stack.up()
     assert stack.is_up("clickhouse-r2") and stack.pid("clickhouse-r2") != pid
-    assert seconds < 120
     assert client(stack.ch_ports[1]).execute("SELECT 1") == [(1,)]
 
 

@@ -43,7 +43,7 @@ replicas = ["127.0.0.1:9000"]
         result = preflight.check_durability(config, {topic: 2})
     seconds = time.monotonic() - started
     print(f"\ndurability check on the stack: {seconds:.3f}s")
-    assert result.dev_stack and result.accepted and seconds < 2.0
+    assert result.dev_stack and result.accepted
     said = [r for r in caplog.records if r.name.startswith("blockagg")
             and r.levelno >= logging.INFO]
     assert [(r.levelno, r.getMessage()) for r in said] == [

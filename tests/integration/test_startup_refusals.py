@@ -5,10 +5,10 @@ nothing written (no commit in the metadata group, no row, no dead letter).
 
 Refusals that come from the start-up checks happen before Spark starts: the output
 has no ``SparkContext`` line, which is what bounds their time (the checks are single
-requests of at most 6 s for Kafka and 5 s for ClickHouse). The elapsed seconds are
-printed; those of the refusals that used to come after Spark's start (25-41 s:
-connector jars, metrics port, tables that can't deduplicate, speculation) are
-asserted below ``QUICK`` seconds.
+requests of at most 6 s for Kafka and 5 s for ClickHouse; Spark's session alone took
+25-41 s before it refused connector jars, the metrics port, tables that can't
+deduplicate and speculation). The elapsed seconds are printed, not asserted: a loaded
+machine stretches them (17 s was seen at load average 15), the order does not change.
 """
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ from tests.integration.user_job import Job, Run, assert_no_trace, the_error
 
 pytestmark = pytest.mark.integration
 
-QUICK = 15.0
-"""Seconds within which a refusal of the start-up checks ends, JVM start included
-(Spark's session alone took 25-41 s before it refused these)."""
-
-
 @pytest.fixture
 def job(tmp_path: Path, stack_env: dict[str, str], new_topic: Callable[..., str],
         ch_database: str, ch_replicas: list[Any]) -> Iterator[Job]:
@@ -39,8 +34,7 @@ def job(tmp_path: Path, stack_env: dict[str, str], new_topic: Callable[..., str]
     yield user
 
 
-def refused(run: Run, *names: str, code: int = 1, before_spark: bool = True,
-            within: float | None = None) -> str:
+def refused(run: Run, *names: str, code: int = 1, before_spark: bool = True) -> str:
     line = the_error(run.out)
     print(f"\n{run.seconds:.1f}s exit {run.code}: {line}")
     assert run.code == code, run.out[-4000:]
@@ -50,8 +44,6 @@ def refused(run: Run, *names: str, code: int = 1, before_spark: bool = True,
         assert "SparkContext: Running Spark" not in run.out, "refused only after Spark started"
         assert "Traceback" not in run.out and "Exception in thread" not in run.out, \
             run.out[-4000:]
-    if within is not None:
-        assert run.seconds < within, f"refused after {run.seconds:.1f}s"
     return line
 
 
@@ -119,7 +111,7 @@ def test_target_table_without_deduplication_is_refused_at_registration_and_start
     assert "WARNING" in res.stderr and "--allow-no-dedup" in res.stderr
     job.produce(5, table="plain", message="Plain")
     run = job.run(job.config())
-    refused(run, f"table {job.database}.plain", "deduplicate", within=QUICK)
+    refused(run, f"table {job.database}.plain", "deduplicate")
     job.assert_nothing_written()
     assert job.rows("plain") == 0
 
@@ -128,8 +120,7 @@ def test_missing_connector_jars_are_refused_before_spark(job: Job) -> None:
     """Issue 26: without ``--jars`` Spark failed after 41 s with ``Failed to find data
     source: kafka``; the start-up checks name ``$BLOCKAGG_SPARK_JARS`` in seconds."""
     run = job.run(job.config(), jars=False)
-    line = refused(run, "spark-sql-kafka-0-10", '--jars "$BLOCKAGG_SPARK_JARS"',
-                   within=QUICK)
+    line = refused(run, "spark-sql-kafka-0-10", '--jars "$BLOCKAGG_SPARK_JARS"')
     assert "Failed to find data source" not in run.out, line
     job.assert_nothing_written()
 
@@ -152,7 +143,7 @@ def test_busy_metrics_port_is_named_before_spark(job: Job) -> None:
         port = taken.getsockname()[1]
         run = job.run(job.config(), "--metrics-port", str(port))
     refused(run, f"0.0.0.0:{port} is in use", f"[metrics] port = {port}",
-            "--set metrics.port=", within=QUICK)
+            "--set metrics.port=")
     assert "Errno 98" not in run.out
     job.assert_nothing_written()
 
@@ -162,8 +153,7 @@ def test_speculation_is_refused_before_spark(job: Job) -> None:
     say the job refuses it, and it does, in one line, before Spark (exit 2: a
     configuration refusal)."""
     run = job.run(job.config(), spark=["--conf", "spark.speculation=true"])
-    refused(run, "spark.speculation=true", "Remove --conf spark.speculation=true", code=2,
-            within=QUICK)
+    refused(run, "spark.speculation=true", "Remove --conf spark.speculation=true", code=2)
     job.assert_nothing_written()
 
 
@@ -186,8 +176,7 @@ def test_a_table_without_coordinate_columns_is_refused_on_18_16_unless_allowed(
     line = refused(run, f"table {bare} has no _topic, _partition, _offset column(s)",
                    "ADD COLUMN _topic String, ADD COLUMN _partition UInt32, "
                    "ADD COLUMN _offset UInt64",
-                   f'clickhouse.allow_tables_without_coordinates = ["{bare}"]',
-                   within=QUICK)
+                   f'clickhouse.allow_tables_without_coordinates = ["{bare}"]')
     assert f"a message routed to {bare} could be lost" in line, line
     job.assert_nothing_written()
     assert job.rows("bare") == 0
