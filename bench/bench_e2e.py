@@ -438,6 +438,15 @@ BATCH_TIMES: Final = ("seconds", "max_task_seconds", "task_seconds", "commit_sec
                       "insert_seconds")
 
 
+def streaming_only(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` of a bench that runs only :class:`Bench`'s streaming window
+    (``--rate``, ``--seconds``, ``--warmup``), completed with what :class:`Bench` reads."""
+    args.rows, args.latency_rate = 1000, args.rate
+    args.latency_seconds, args.latency_warmup = args.seconds, args.warmup
+    args.baseline_root, args.profile, args.timeout = None, False, 900
+    return args
+
+
 def batch_times(log: Path, offset: int = 0) -> dict[str, list[float]]:
     """Per field of the job's batch line (:data:`BATCH_TIMES`), median and max over the
     micro-batches logged from byte ``offset`` of the job's log on (where the measured

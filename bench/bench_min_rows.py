@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.bench_e2e import Bench
+from bench.bench_e2e import Bench, streaming_only
 from bench.bench_limits import append_section
 
 
@@ -116,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--append", action="store_true",
                     help="append the figures to docs/BENCHMARKS.md")
     args = ap.parse_args(argv)
-    # bench_e2e's streaming run reads these
-    args.rows, args.latency_rate = 1000, args.rate
-    args.latency_seconds, args.latency_warmup = args.seconds, args.warmup
-    args.baseline_root, args.profile, args.timeout = None, False, 900
+    streaming_only(args)
     bench = MinRowsBench(args)
     bench.fresh_tables()
     bench.register()

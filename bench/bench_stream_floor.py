@@ -311,10 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--append", action="store_true",
                     help="append the table to docs/BENCHMARKS.md")
     args = ap.parse_args(argv)
-    # bench_e2e's Bench and its streaming run read these
-    args.rows, args.latency_rate = 1000, args.rate
-    args.latency_seconds, args.latency_warmup = args.seconds, args.warmup
-    args.baseline_root, args.profile, args.timeout = None, False, 900
+    from bench.bench_e2e import streaming_only
+
+    streaming_only(args)
     bench = FloorBench(args)
     try:
         rounds = bench.run()

@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from types import FrameType
-from typing import Any
+from typing import Any, Final
 
 from blockagg import logs
 from blockagg.aggregator.clickhouse.dedup_window import (
@@ -111,6 +111,13 @@ from blockagg.spark.watch import BatchWatch, Watchdog, job_times, stage_progress
 log = logs.get("job")
 
 ROW_COLUMNS = ("topic", "partition", "offset", "value", "timestamp")
+
+BATCH_LINE_SECONDS: Final = (
+    "seconds", "max_task_seconds", "task_seconds", "commit_seconds", "insert_seconds",
+    "plan_seconds", "checks_seconds", "ends_seconds", "spark_seconds", "build_seconds",
+    "start_seconds", "last_start_seconds", "submit_seconds", "launch_seconds",
+    "read_seconds")
+"""The :class:`BatchSummary` timings on the batch line, in its order (docs/running.md)."""
 
 
 @dataclass
@@ -758,22 +765,9 @@ class Driver:
             partitions=summary.partitions, messages=summary.messages, rows=summary.rows,
             bytes=summary.bytes, blocks=summary.blocks, replayed_blocks=summary.replayed_blocks,
             dead_letters=summary.dead_letters, skipped=summary.skipped,
-            commits=summary.commits, seconds=round(summary.seconds, 3),
-            max_task_seconds=round(summary.max_task_seconds, 3),
-            task_seconds=round(summary.task_seconds, 3),
-            commit_seconds=round(summary.commit_seconds, 3),
-            insert_seconds=round(summary.insert_seconds, 3),
-            plan_seconds=round(summary.plan_seconds, 3),
-            checks_seconds=round(summary.checks_seconds, 3),
-            ends_seconds=round(summary.ends_seconds, 3),
-            spark_seconds=round(summary.spark_seconds, 3),
-            build_seconds=round(summary.build_seconds, 3),
-            start_seconds=round(summary.start_seconds, 3),
-            last_start_seconds=round(summary.last_start_seconds, 3),
-            submit_seconds=round(summary.submit_seconds, 3),
-            launch_seconds=round(summary.launch_seconds, 3),
+            commits=summary.commits,
+            **{name: round(getattr(summary, name), 3) for name in BATCH_LINE_SECONDS},
             fresh_workers=summary.fresh_workers,
-            read_seconds=round(summary.read_seconds, 3),
             **retried,
         )
 
