@@ -553,13 +553,32 @@ class Driver:
         if not ranges:
             return {}
         try:
-            marks = watermarks(self._offsets_consumer(), ranges)
+            marks = self._watermarks(ranges)
         except Exception as exc:
-            self.close_offsets_consumer()  # the next batch connects afresh
             logs.event(log, "partition ends unknown", level=30,
                        error=f"{type(exc).__name__}: {str(exc)[:500]}")
             return {}
         return {tp: max(high, ranges[tp].end) for tp, (_low, high) in marks.items()}
+
+    def _watermarks(self, partitions: Iterable[TopicPartition]
+                    ) -> dict[TopicPartition, tuple[int, int]]:
+        """``watermarks`` on the kept consumer, asked once more on a fresh one when it
+        fails: a kept consumer's metadata is only refreshed every
+        ``topic.metadata.refresh.interval.ms``, so a partition added while the job runs
+        is unknown to it (``_UNKNOWN_PARTITION``) until a new consumer reads the
+        topic's metadata. A failure on the fresh one too is raised, and the next call
+        connects afresh again."""
+        partitions = list(partitions)
+        try:
+            return watermarks(self._offsets_consumer(), partitions)
+        except Exception as exc:
+            self.close_offsets_consumer()
+            log.debug("watermarks on the kept consumer failed, asking a fresh one: %s", exc)
+        try:
+            return watermarks(self._offsets_consumer(), partitions)
+        except Exception:
+            self.close_offsets_consumer()
+            raise
 
     def _offsets_consumer(self) -> Any:
         """The driver's consumer for watermarks (``partition_ends``, inexact starts),
@@ -630,12 +649,7 @@ class Driver:
         ranges = self.offset_log.planned_ranges(batch_id)
         inexact = [tp for tp, r in ranges.items() if not r.exact_start]
         if inexact:
-            try:
-                low = {tp: lo for tp, (lo, _) in
-                       watermarks(self._offsets_consumer(), inexact).items()}
-            except Exception:
-                self.close_offsets_consumer()
-                raise
+            low = {tp: lo for tp, (lo, _) in self._watermarks(inexact).items()}
             ranges = self.offset_log.planned_ranges(batch_id, earliest=low)
         return ranges
 
