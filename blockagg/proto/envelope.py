@@ -99,7 +99,8 @@ class Envelopes:
     :func:`parse_envelope`), or table :attr:`tables` ``[table_index[i]]`` with
     ``schema_version`` :attr:`versions` ``[i]`` and rows ``row_lo[i]`` to
     ``row_hi[i]`` (exclusive), row ``j`` being ``buf[row_starts[j]:row_ends[j]]``
-    (``buf`` is padded for :func:`proto.decode.decode_ranges`)."""
+    (``buf`` is padded for :func:`proto.decode.decode_ranges`). :attr:`sizes` are
+    the messages' lengths in bytes (0 for a message without a value)."""
 
     tables: tuple[str, ...]
     table_index: npt.NDArray[np.int64]
@@ -110,6 +111,7 @@ class Envelopes:
     row_ends: npt.NDArray[np.int64]
     buf: npt.NDArray[np.uint8]
     rejected: dict[int, Rejected]
+    sizes: npt.NDArray[np.int64]
 
     def __len__(self) -> int:
         return len(self.table_index)
@@ -187,7 +189,7 @@ def parse_envelopes(values: Sequence[bytes | None]) -> Envelopes:
     flagged = np.zeros(n, dtype=np.bool_)
     if decoded.errors:
         flagged[np.fromiter(decoded.errors, dtype=np.int64, count=len(decoded.errors))] = True
-    flagged |= np.fromiter((v is None for v in values), dtype=np.bool_, count=n)
+    flagged |= lengths == 0  # no value, or an empty one: neither has a table or rows
     encoded = pc.dictionary_encode(decoded.columns["table"])
     names = encoded.dictionary.to_pylist()
     table_index = encoded.indices.fill_null(len(names)).to_numpy(
@@ -222,7 +224,7 @@ def parse_envelopes(values: Sequence[bytes | None]) -> Envelopes:
     versions = decoded.columns["schema_version"].to_numpy(zero_copy_only=False)
     return Envelopes(tuple(names), table_index,
                      np.where(flagged, 0, versions).astype(np.int64), row_lo, row_hi,
-                     row_starts, row_ends, buf, rejected)
+                     row_starts, row_ends, buf, rejected, lengths)
 
 
 def make_envelope(table: str, rows: list[bytes], version: int = LATEST) -> bytes:

@@ -407,8 +407,7 @@ def prepare_envelopes(topic: str, partition: int,
     offs = np.asarray(offsets, dtype=np.int64).reshape(n)
     table_ids = np.zeros(n, dtype=np.int64)
     row_counts = np.ones(n, dtype=np.int64)
-    sizes = np.fromiter((len(v) if v is not None else 0 for v in values), dtype=np.int64,
-                        count=n)
+    sizes = env.sizes
     dead_letters: dict[int, object] = {}
     column_sets: list[ColumnSet] = []
     sets = np.full(n, -1, dtype=np.int64)

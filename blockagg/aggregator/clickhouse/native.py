@@ -32,6 +32,7 @@ from blockagg.aggregator.clickhouse.query_packet import (
     end_of_data_packet,
     insert_query_packet,
 )
+from blockagg.aggregator.clickhouse.sample_block import uses_fast_reader
 from blockagg.rows.layout import (
     NATIVE_COLUMNS,
     EnumColumn,
@@ -295,6 +296,7 @@ def _native_client() -> type[Any]:
                     query_without_data, data, external_tables=external_tables,
                     query_id=query_id, types_check=types_check, columnar=columnar)
             self.send_insert_query(query_without_data, query_id)
+            uses_fast_reader(connection)
             sample_block = self.receive_sample_block()
             if sample_block:
                 rv = self.send_data(sample_block, data, types_check=types_check,
