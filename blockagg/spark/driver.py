@@ -112,6 +112,17 @@ log = logs.get("job")
 
 ROW_COLUMNS = ("topic", "partition", "offset", "value", "timestamp")
 
+READER_DEFAULTS: Final[Mapping[str, str]] = {"kafka.fetch.max.wait.ms": "10"}
+"""Spark's Kafka source options the job sets unless ``[kafka]`` / ``[kafka.spark]`` set
+them. ``fetch.max.wait.ms`` (the Java consumer's 500 ms otherwise): a task whose range
+ends at the log end, as every range of a caught-up stream does, waited about that long.
+After each poll Spark asks the broker for the partition's available offsets, and the
+broker answers a connection's requests in order, behind the consumer's prefetch, which
+it holds at the log end for ``fetch.max.wait.ms`` (``bench/bench_kafka_read.py``: a
+micro-batch's read of 8 partitions on 2 slots, 2.28 s → 0.66 s; docs/BENCHMARKS.md). A
+consumer only fetches while a task polls it, so the shorter wait adds no requests to
+an idle job."""
+
 BATCH_LINE_SECONDS: Final = (
     "seconds", "max_task_seconds", "task_seconds", "commit_seconds", "insert_seconds",
     "plan_seconds", "checks_seconds", "ends_seconds", "spark_seconds", "build_seconds",
@@ -480,7 +491,10 @@ class Driver:
         return ranges, batch_id
 
     def _reader_options(self) -> dict[str, str]:
-        options = self.config.kafka.spark_source_options()
+        """Spark's Kafka source options: :data:`READER_DEFAULTS`, then ``[kafka]`` /
+        ``[kafka.spark]``, ``[source]``, then what the job owns."""
+        options = dict(READER_DEFAULTS)
+        options.update(self.config.kafka.spark_source_options())
         options.update({k: v if isinstance(v, str) else v.reveal()
                         for k, v in self.config.source.items()})
         options["kafka.isolation.level"] = "read_committed"

@@ -103,3 +103,18 @@ def test_an_added_partitions_inexact_start_is_read_on_a_fresh_consumer(
     brokers.partitions = 3
     assert d._watermarks([("t", 2)]) == {("t", 2): (0, 32)}
     assert len(brokers.made) == 2
+
+
+def test_the_source_waits_10ms_at_the_log_end_unless_the_user_says_otherwise() -> None:
+    """Spark's source: ``kafka.fetch.max.wait.ms`` 10 (``READER_DEFAULTS``: a caught-up
+    stream's tasks each waited the consumer's default 500 ms), a user's value kept, and
+    the job's own options still its own."""
+    d = Driver(loads(CONFIG), MagicMock(), components=MagicMock(), run_id=1)
+    options = d._reader_options()
+    assert options["kafka.fetch.max.wait.ms"] == "10"
+    assert options["kafka.isolation.level"] == "read_committed"
+    assert options["kafka.bootstrap.servers"] == "x:1"
+    mine = loads(CONFIG.replace('[[topics]]', '[kafka.spark]\n"fetch.max.wait.ms" = "200"\n'
+                                              '[[topics]]'))
+    d = Driver(mine, MagicMock(), components=MagicMock(), run_id=1)
+    assert d._reader_options()["kafka.fetch.max.wait.ms"] == "200"
