@@ -34,6 +34,14 @@ def uses_fast_reader(connection: Any) -> bool:
     return True
 
 
+def _text(items: tuple[str | bytes, ...]) -> tuple[str, ...]:
+    """``read_strings``' items, which are ``bytes`` where not UTF-8: raised as the
+    driver's own reader raises them (``UnicodeDecodeError``)."""
+    if all(type(item) is str for item in items):
+        return items  # type: ignore[return-value]
+    return tuple(item if isinstance(item, str) else item.decode("utf-8") for item in items)
+
+
 @functools.cache
 def _stream_class() -> type[Any]:
     from clickhouse_driver import defines
@@ -62,11 +70,11 @@ def _stream_class() -> type[Any]:
             types: list[str] = []
             data: list[Any] = []
             if not n_rows and not custom:
-                pairs = fin.read_strings(2 * n_columns, encoding="utf-8")
+                pairs = _text(fin.read_strings(2 * n_columns, encoding="utf-8"))
                 names, types = list(pairs[0::2]), list(pairs[1::2])
             for _ in range(n_columns if n_rows or custom else 0):
                 if not n_rows:
-                    name, type_ = fin.read_strings(2, encoding="utf-8")
+                    name, type_ = _text(fin.read_strings(2, encoding="utf-8"))
                 else:
                     name, type_ = read_binary_str(fin), read_binary_str(fin)
                 names.append(name)

@@ -84,3 +84,32 @@ def test_a_compressed_connection_keeps_the_drivers_reader() -> None:
     reader = connection.block_in
     assert not uses_fast_reader(connection)
     assert connection.block_in is reader
+
+
+@pytest.mark.parametrize("revision", REVISIONS)
+def test_a_name_that_is_not_utf8_fails_as_in_the_driver(revision: int) -> None:
+    """The compiled reader gives ``bytes`` for a string that is not UTF-8; the
+    driver's reader raises, and so does blockagg's."""
+    ctx = _context()
+    ctx.server_info.used_revision = revision
+    data = _framed(ctx, [("id", "UInt64")], [[]]).replace(b"\x02id", b"\x02\xff\xfe")
+    with pytest.raises(UnicodeDecodeError):
+        _read_twice(ctx, data)  # the driver's read, first
+    with pytest.raises(UnicodeDecodeError):
+        _read_fast_only(ctx, data)
+
+
+def _read_fast_only(ctx: Any, data: bytes) -> Any:
+    from clickhouse_driver.bufferedreader import BufferedSocketReader
+    from clickhouse_driver.streams.native import BlockInputStream
+
+    a, b = socket.socketpair()
+    try:
+        a.sendall(data)
+        a.shutdown(socket.SHUT_WR)
+        connection = _Connection(BlockInputStream(BufferedSocketReader(b, 256), ctx))
+        assert uses_fast_reader(connection)
+        return connection.block_in.read()
+    finally:
+        a.close()
+        b.close()
