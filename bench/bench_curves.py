@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from bench.workload import REPO_ROOT, PoolEntry, Rows, create_tables
+from bench.workload import REPO_ROOT, PoolEntry, Rows, create_tables, execute_everywhere
 
 CURVES: Final[dict[str, tuple[str, ...]]] = {
     "tables": ("10", "100", "500", "1000"),
@@ -90,13 +90,23 @@ class CurveError(ValueError):
 def points(curves: Sequence[str] = tuple(CURVES), selected: Sequence[str] = ()) -> list[Point]:
     """The points of ``curves`` in their order, only those named in ``selected`` when
     it is not empty: a label (``10``: that point of every curve that has it) or
-    ``curve=label`` (``rows_per_message=10``: that curve's alone). Unknown names are
-    refused, naming the known ones."""
+    ``curve=label`` (``rows_per_message=10``: that curve's alone). A numeric curve also
+    takes a point of its own between or beyond its labels (``tables=33``: blocks of
+    ~3,750 rows at 1M rows and 8 partitions), placed in order among them. Unknown names
+    are refused, naming the known ones."""
     out: list[Point] = []
+    extra: set[str] = set()
     for curve in curves:
         if curve not in CURVES:
             raise CurveError(f"unknown curve {curve!r}: choose from {', '.join(CURVES)}")
-        for label in CURVES[curve]:
+        labels = list(CURVES[curve])
+        if curve != "row_width":
+            own = {s for s in selected if s.startswith(f"{curve}=")
+                   and s.split("=", 1)[1].isdigit() and int(s.split("=", 1)[1]) > 0
+                   and s.split("=", 1)[1] not in labels}
+            extra |= own
+            labels = sorted([*labels, *(s.split("=", 1)[1] for s in own)], key=int)
+        for label in labels:
             if selected and label not in selected and f"{curve}={label}" not in selected:
                 continue
             if curve == "row_width":
@@ -106,11 +116,11 @@ def points(curves: Sequence[str] = tuple(CURVES), selected: Sequence[str] = ()) 
                        "rows_per_message": "rows_per_message"}[curve]
                 out.append(Point(curve, label, **{key: int(label)}))
     known = {name for c in curves if c in CURVES for label in CURVES[c]
-             for name in (label, f"{c}={label}")}
+             for name in (label, f"{c}={label}")} | extra
     unknown = [s for s in selected if s not in known]
     if unknown:
         raise CurveError(f"unknown points {unknown} for curves {list(curves)}: choose from "
-                         f"{sorted(known)}")
+                         f"{sorted(known)} or, on a numeric curve, curve=N")
     return out
 
 
@@ -357,9 +367,8 @@ class Runner:
         names = [n for (n,) in b.clients[0].execute(
             "SELECT name FROM system.tables WHERE database = %(db)s AND name LIKE %(like)s",
             {"db": b.database, "like": like})]
-        for c in b.clients:
-            for n in names:
-                c.execute(f"DROP TABLE IF EXISTS {b.database}.{n}")
+        execute_everywhere(b.host, b.ports,
+                           [f"DROP TABLE IF EXISTS {b.database}.{n}" for n in names])
 
     def run(self) -> PointResult:
         self.prepare()
@@ -429,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a curve to run (repeatable; default: all four)")
     ap.add_argument("--points", default="",
                     help="comma list of points to keep: labels (10,1000,1KiB) or "
-                    "curve=label (rows_per_message=10)")
+                    "curve=label (rows_per_message=10); curve=N adds a point to a "
+                    "numeric curve (tables=33)")
     ap.add_argument("--rows", type=int, default=1_000_000,
                     help="rows per point (about 1-3 min a point on a quiet 2-core machine "
                     "but for the 1,000-table point)")

@@ -54,6 +54,7 @@ from bench.workload import (
     ch_client,
     create_tables,
     create_topic,
+    execute_everywhere,
     proc_cpu_seconds,
     produce,
     self_cpu_seconds,
@@ -250,13 +251,10 @@ def insert_waiting_for_quorum(send: Callable[[], object], pause_s: float = 0.01,
 def create_job_tables(host: str, ports: list[int], database: str, names: list[str]) -> None:
     """Tables of the job's shape (the workload's columns and the coordinates) on every
     replica, on their own ZooKeeper paths."""
-    for port in ports:
-        c = ch_client(host, port)
-        for name in names:
-            c.execute(f"CREATE TABLE {database}.{name} ({COLUMNS}, {COORDINATES}) ENGINE = "
-                      f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/{name}', "
-                      "'{replica}') ORDER BY id")
-        c.disconnect()
+    execute_everywhere(host, ports, [
+        f"CREATE TABLE {database}.{name} ({COLUMNS}, {COORDINATES}) ENGINE = "
+        f"ReplicatedMergeTree('/clickhouse/tables/{{shard}}/{database}/{name}', "
+        "'{replica}') ORDER BY id" for name in names])
 
 
 @dataclass

@@ -53,8 +53,14 @@ def test_points_selected_and_refused() -> None:
                                        Point("rows_per_message", "10", rows_per_message=10)]
     assert points(selected=["tables=10", "partitions=2"]) == [
         Point("tables", "10", tables=10), Point("partitions", "2", partitions=2)]
-    with pytest.raises(CurveError, match=r"unknown points \['tables=2'\]"):
-        points(selected=["tables=2"])
+    assert points(["tables"], ["tables=100", "tables=33", "10"]) == [
+        Point("tables", "10", tables=10), Point("tables", "33", tables=33),
+        Point("tables", "100", tables=100)]
+    for bad in ("tables=0", "tables=x", "row_width=2", "partitions=-1"):
+        with pytest.raises(CurveError, match=rf"unknown points \['{bad}'\]"):
+            points(selected=[bad])
+    with pytest.raises(CurveError, match=r"unknown points \['tables=33'\]"):
+        points(["partitions"], ["tables=33"])
     with pytest.raises(CurveError, match="unknown curve 'rows'"):
         points(["rows"])
     with pytest.raises(CurveError, match=r"unknown points \['1KiB'\]"):
