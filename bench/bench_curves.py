@@ -453,11 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path, help="draw the four panels here (docs/bench_curves.png)")
-    ap.add_argument("--plot-only", type=Path, metavar="JSON",
-                    help="only draw --plot (default docs/bench_curves.png) from this --json")
+    ap.add_argument("--plot-only", type=Path, metavar="JSON", nargs="+",
+                    help="only draw --plot (default docs/bench_curves.png) from these --json "
+                    "files (runs of different curves or points, drawn together)")
     args = ap.parse_args(argv)
     if args.plot_only:
-        loaded, _ = load(args.plot_only.read_text())
+        loaded = [r for path in args.plot_only for r in load(path.read_text())[0]]
         plot(loaded, args.plot or REPO_ROOT / "docs" / "bench_curves.png")
         return 0
     try:

@@ -89,9 +89,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import blockagg
     from bench.workload import Rows, ch_client, stack_env
     from blockagg.aggregator.core.model import Committed
-    from blockagg.config import loads
     from blockagg.proto.registry import MemoryStore, RegistryCache
-    from blockagg.registration.register import register
+
+    try:
+        from blockagg.config import loads
+        from blockagg.registration.register import register
+    except ImportError:  # a --baseline checkout from before config and registration moved
+        from blockagg.aggregator.config import loads  # type: ignore[no-redef]
+        from blockagg.proto.registry import register  # type: ignore[attr-defined,no-redef]
     from blockagg.spark.components import DefaultComponents, make_writer
     from blockagg.spark.offsets import PlannedRange
     from blockagg.spark.task import TaskContext, run_range
@@ -286,6 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         sys.path.insert(0, os.getcwd())
+        # Only the checkout's own modules: an editable install's finder would fill in,
+        # from another checkout, a module this one does not have.
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if not getattr(f, "__module__", "").startswith("__editable__")]
         print(json.dumps(child(args)))
         return 0
     load = os.getloadavg()
