@@ -95,7 +95,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         from blockagg.config import loads
         from blockagg.registration.register import register
     except ImportError:  # a --baseline checkout from before config and registration moved
-        from blockagg.aggregator.config import loads  # type: ignore[no-redef]
+        from blockagg.aggregator.config import loads  # type: ignore[import-not-found,no-redef]
 
         from blockagg.proto.registry import register  # type: ignore[attr-defined,no-redef]
     from blockagg.spark.components import DefaultComponents, make_writer
