@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
@@ -288,6 +289,9 @@ class LaneInserter:
         self.local = threading.local()
         self.executor = ThreadPoolExecutor(lanes)
         self.waits = 0
+        # The driver warns twice an insert that Enum8 and Array(Int64) take its generic
+        # column path: thousands of lines a run, and CPU charged to this limit.
+        logging.getLogger("clickhouse_driver.columns.service").setLevel(logging.ERROR)
 
     def __enter__(self) -> LaneInserter:
         # Connect every lane first. Not a warm-up insert: 18.16 refuses a second quorum
