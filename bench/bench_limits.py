@@ -98,11 +98,39 @@ class Servers:
     """CPU seconds of the stack's server processes (pids from the stack's pid files)."""
 
     def __init__(self, names: tuple[str, ...]) -> None:
-        control = StackControl(os.environ)
-        self.pids = {n: control.pid(n) for n in names}
+        self.control = StackControl(os.environ)
+        self.pids = {n: self.control.pid(n) for n in names}
 
     def cpu(self) -> float:
         return sum(proc_cpu_seconds(p) for p in self.pids.values() if p is not None)
+
+    def restart_replicas(self) -> float:
+        """Stop every ClickHouse replica (SIGTERM, then its ports free) and start them
+        again, writable; returns the seconds it took. Why: on 18.16 the servers' CPU
+        for identical runs climbs run after run (26 -> 59 CPU-s per Mrows over six
+        1M-row batches, docs/BENCHMARKS.md), so a run after a restart is measured
+        against servers in the same state as every other."""
+        import signal
+
+        from scripts import stack_lib
+
+        began = time.monotonic()
+        for name in self.control.replica_services:
+            svc = self.control.services[name]
+            pid = svc.pid()
+            if pid is None:
+                continue
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 120
+            while stack_lib.pid_alive(pid, svc.marker) or any(
+                    stack_lib.port_in_use(port, svc.host) for port in svc.ports.values()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} (pid {pid}) still running 120 s after SIGTERM")
+                time.sleep(0.1)
+        self.control.up()
+        self.control.wait_replicas_writable()
+        self.pids = {n: self.control.pid(n) for n in self.pids}
+        return time.monotonic() - began
 
 
 def measure(name: str, rows: int, row_bytes: float, servers: Servers,
