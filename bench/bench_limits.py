@@ -60,6 +60,7 @@ from bench.workload import (
     produce,
     self_cpu_seconds,
     stack_addresses,
+    stack_env,
 )
 from tests.faults.stack import StackControl
 from tests.faults.workload import COORDINATES
@@ -98,7 +99,7 @@ class Servers:
     """CPU seconds of the stack's server processes (pids from the stack's pid files)."""
 
     def __init__(self, names: tuple[str, ...]) -> None:
-        self.control = StackControl(os.environ)
+        self.control = StackControl({**os.environ, **stack_env()})
         self.pids = {n: self.control.pid(n) for n in names}
 
     def cpu(self) -> float:
