@@ -386,8 +386,7 @@ class Runner:
         return result
 
     def close(self) -> None:
-        for c in self.bench.clients:
-            c.execute(f"DROP DATABASE IF EXISTS {self.bench.database}")
+        self.bench.drop_database()
 
 
 def plot(results: Sequence[PointResult], path: Path) -> None:

@@ -220,6 +220,20 @@ class Bench:
                 f"{self.database}.dead_letters",
                 zk_path=f"/clickhouse/tables/{{shard}}/{self.database}/g{g}/dead_letters")])
 
+    def drop_database(self) -> None:
+        """Drop the run's tables many at a time, then its database. 18.16 drops a
+        database's tables one by one (79 s for 2,000 replicated tables), and tables
+        left behind keep loading the servers (load average 21 on 2 cores after
+        ``bench_min_rows`` at 1,000 tables)."""
+        from bench.workload import execute_everywhere
+
+        names = [n for (n,) in self.clients[0].execute(
+            "SELECT name FROM system.tables WHERE database = %(db)s", {"db": self.database})]
+        execute_everywhere(self.host, self.ports,
+                           [f"DROP TABLE IF EXISTS {self.database}.{n}" for n in names])
+        for c in self.clients:
+            c.execute(f"DROP DATABASE IF EXISTS {self.database}")
+
     def config(self, block_rows: int, tag: str, mode: str = "exactly_once") -> tuple[Path, str]:
         group = f"e2e-{self.run_id}-{tag}"
         handover = "rows" if mode == "exactly_once_rows" else "arrow"
@@ -707,8 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         command = "python -m bench.bench_e2e " + " ".join(
             a for a in (argv if argv is not None else sys.argv[1:]) if a != "--append")
         append_section("blockagg end to end", command, text)
-    for c in bench.clients:
-        c.execute(f"DROP DATABASE IF EXISTS {bench.database}")
+    bench.drop_database()
     return 0
 
 

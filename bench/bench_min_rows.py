@@ -118,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     streaming_only(args)
     bench = MinRowsBench(args)
-    bench.fresh_tables()
-    bench.register()
     results = []
-    for min_rows in (0, args.min_rows):
-        r = run(bench, min_rows)
-        print(json.dumps(r), file=sys.stderr, flush=True)
-        results.append(r)
+    try:
+        bench.fresh_tables()
+        bench.register()
+        for min_rows in (0, args.min_rows):
+            r = run(bench, min_rows)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            results.append(r)
+    finally:
+        bench.drop_database()
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": None, "append": None},
                                          "results": results}, indent=2, default=str))

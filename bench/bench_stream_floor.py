@@ -278,8 +278,7 @@ class FloorBench:
         return [rounds[k] for k in sorted(rounds)]
 
     def close(self) -> None:
-        for c in self.bench.clients:
-            c.execute(f"DROP DATABASE IF EXISTS {self.bench.database}")
+        self.bench.drop_database()
 
 
 def main(argv: list[str] | None = None) -> int:
