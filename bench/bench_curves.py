@@ -18,7 +18,12 @@ a machine whose load drifts), each on fresh tables:
 * ``same``: **the same-blocks limit**, the very blocks the job forms inserted raw,
   ``--same-blocks-lanes`` at a time, with the job's quorum (``bench_limits``);
 * ``large``: **the raw insert of large blocks**, the same rows in blocks of
-  ``--large-block-rows`` (``bench_limits``'s raw insert).
+  ``--large-block-rows`` (``bench_limits``'s raw insert);
+* with ``--variants c8,s4``, also ``job_c8``, ``job_s4``: the job with
+  ``clickhouse.insert_concurrency = 8`` or 4 Spark task slots on the same cores
+  (``bench_e2e``'s ``exactly_once_cN`` and ``exactly_once_sN`` modes), in the same ABBA,
+  so a change of setting is compared within one point's drift (docs/BENCHMARKS.md,
+  *The servers' drift*).
 
 Per point (medians of the repeats): rows/s of each, the job's ratio to both limits,
 the job's CPU seconds per million rows over its processing interval and the cores it
@@ -58,6 +63,17 @@ CURVES: Final[dict[str, tuple[str, ...]]] = {
 }
 """Each curve's points, as ``--points`` names them."""
 CONTENDERS: Final = ("job", "same", "large")
+VARIANT: Final = re.compile(r"[cs][1-9][0-9]*")
+"""A ``--variants`` name: ``cN`` (N insert lanes a task) or ``sN`` (N Spark task slots)."""
+
+
+def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
+    """The point's contenders in ABBA order: the job, its variants (``job_c8``), then the
+    two limits. Refuses a variant ``bench_e2e`` has no mode for."""
+    bad = [v for v in variants if not VARIANT.fullmatch(v)]
+    if bad:
+        raise CurveError(f"unknown variants {bad}: cN (insert lanes) or sN (task slots)")
+    return ("job", *(f"job_{v}" for v in variants), "same", "large")
 FLOOR: Final = 0.8
 """A point whose job runs below this fraction of its same-blocks limit must name its wall."""
 WIDTHS: Final = {"narrow": 0, "1KiB": 1024}
@@ -191,10 +207,21 @@ class PointResult:
         return [float(r[key]) for r in self.runs
                 if r["contender"] == contender and key in r and r.get("complete", True)]
 
+    def variants(self) -> list[str]:
+        """The job's variants among the runs (``job_c8``), first run first."""
+        return list(dict.fromkeys(r["contender"] for r in self.runs
+                                  if r["contender"].startswith("job_")))
+
     def summary(self) -> dict[str, Any]:
         job, same, large = (median(self.of(c, "rows_per_s")) for c in CONTENDERS)
         cores_used = median(self.of("job", "cores_used"))
         ratio = job / same if same else 0.0
+        more: dict[str, Any] = {}
+        for v in self.variants():
+            rate = median(self.of(v, "rows_per_s"))
+            more.update({f"{v}_rows_per_s": rate, f"{v}_over_same": rate / same if same else 0.0,
+                         f"{v}_over_job": rate / job if job else 0.0,
+                         f"{v}_cores_used": median(self.of(v, "cores_used"))})
         return {
             "job_rows_per_s": job, "same_rows_per_s": same, "large_rows_per_s": large,
             "job_over_same": ratio, "job_over_large": job / large if large else 0.0,
@@ -207,6 +234,7 @@ class PointResult:
             "parts_per_table": median(self.of("job", "parts_per_table_mean")),
             "parts_per_table_max": median(self.of("job", "parts_per_table_max")),
             "verdict": verdict(ratio, cores_used, self.cores),
+            **more,
         }
 
     def line(self) -> str:
@@ -221,7 +249,9 @@ class PointResult:
                 f"inserts/batch, {s['rows_per_block']:,.0f} rows/block; metadata "
                 f"{s['metadata_chars']:,.0f} chars ({s['metadata_bytes']:,.0f} B) per commit; "
                 f"{s['parts_per_table']:.1f} active parts/table (max "
-                f"{s['parts_per_table_max']:.0f}); {s['verdict']}")
+                f"{s['parts_per_table_max']:.0f}); {s['verdict']}" + "".join(
+                    f"; {v} {s[f'{v}_rows_per_s']:,.0f} rows/s = {s[f'{v}_over_job']:.2f}x "
+                    f"the job, {s[f'{v}_over_same']:.2f}x same" for v in self.variants()))
 
 
 def dump(results: Sequence[PointResult], header: dict[str, Any]) -> str:
@@ -309,11 +339,11 @@ class Runner:
         with HistoryReader(self.bench.bootstrap, [group], [self.bench.topic]) as reader:
             return [e.metadata for e in reader.events() if isinstance(e, Commit)]
 
-    def job(self) -> dict[str, Any]:
+    def job(self, mode: str = "exactly_once") -> dict[str, Any]:
         b = self.bench
         cores = self.args.cores
-        r = b.one_run("exactly_once", cores, self.args.block_rows)
-        tag = f"exactly_once-{cores}-{self.args.block_rows}-{b.generation}"
+        r = b.one_run(mode, cores, self.args.block_rows)
+        tag = f"{mode}-{cores}-{self.args.block_rows}-{b.generation}"
         log = b.folder / f"{tag}.log"
         blocks, rows = batch_figures(log.read_text(errors="replace") if log.exists() else "")
         metadata = metadata_figures(self.commit_metadata(f"e2e-{b.run_id}-{tag}"))
@@ -374,9 +404,12 @@ class Runner:
         self.prepare()
         b = self.bench
         result = PointResult(self.point, b.rows.rows, b.rows.encoded_row_bytes, self.args.cores)
-        for repeat, contender in abba(CONTENDERS, self.args.repeat):
+        for repeat, contender in abba(contenders(getattr(self.args, "variants", ())),
+                                      self.args.repeat):
             started = time.monotonic()
             figures = (self.job() if contender == "job" else
+                       self.job(f"exactly_once_{contender[len('job_'):]}")
+                       if contender.startswith("job_") else
                        self.same(repeat) if contender == "same" else self.large(repeat))
             figures.update(contender=contender, repeat=repeat,
                            wall_s=round(time.monotonic() - started, 1))
@@ -443,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows per point (about 1-3 min a point on a quiet 2-core machine "
                     "but for the 1,000-table point)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--variants", default="",
+                    help="comma list of job variants run beside it: cN (insert_concurrency "
+                    "N), sN (N Spark task slots on --cores CPUs)")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--block-rows", type=int, default=100_000, help="the job's blocks.max_rows")
     ap.add_argument("--large-block-rows", type=int, default=100_000)
@@ -460,9 +496,11 @@ def main(argv: list[str] | None = None) -> int:
         loaded = [r for path in args.plot_only for r in load(path.read_text())[0]]
         plot(loaded, args.plot or REPO_ROOT / "docs" / "bench_curves.png")
         return 0
+    args.variants = [v for v in args.variants.split(",") if v]
     try:
         plan = points(args.curve or list(CURVES),
                       [p for p in args.points.split(",") if p])
+        contenders(args.variants)
     except CurveError as exc:
         ap.error(str(exc))
     command = "python -m bench.bench_curves " + " ".join(

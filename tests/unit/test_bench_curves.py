@@ -19,6 +19,7 @@ from bench.bench_curves import (
     PointResult,
     abba,
     batch_figures,
+    contenders,
     dump,
     load,
     median,
@@ -214,3 +215,26 @@ def test_the_same_blocks_limit_waits_out_a_pending_quorum() -> None:
 
     with pytest.raises(ServerException, match="doesn't exist"):
         insert_waiting_for_quorum(refused, 0.01, pauses.append)
+
+
+def test_variants_run_between_the_job_and_the_limits() -> None:
+    assert contenders() == CONTENDERS
+    assert contenders(["c8", "s4"]) == ("job", "job_c8", "job_s4", "same", "large")
+    for bad in ("c0", "x8", "c", "s4 ", "8"):
+        with pytest.raises(CurveError, match="unknown variants"):
+            contenders([bad])
+
+
+def test_a_variant_is_summarised_against_the_job_and_the_same_blocks_limit() -> None:
+    result = PointResult(Point("tables", "100"), 1000, 67.5, 2)
+    rates = {"job": 50.0, "job_c8": 75.0, "same": 100.0, "large": 400.0}
+    for repeat, contender in abba(contenders(["c8"]), 2):
+        result.runs.append({"contender": contender, "repeat": repeat,
+                            "rows_per_s": rates[contender], "cores_used": 0.5})
+    s = result.summary()
+    assert result.variants() == ["job_c8"]
+    assert s["job_c8_rows_per_s"] == 75.0
+    assert s["job_c8_over_job"] == 1.5 and s["job_c8_over_same"] == 0.75
+    assert "job_c8 75 rows/s = 1.50x the job, 0.75x same" in result.line()
+    back, _ = load(dump([result], {}))
+    assert back[0].summary() == s
