@@ -25,7 +25,11 @@ a machine whose load drifts), each on fresh tables:
   so a change of setting is compared within one point's drift (docs/BENCHMARKS.md,
   *The servers' drift*).
 
-Per point (medians of the repeats): rows/s of each, the job's ratio to both limits,
+Per point (medians of the repeats): rows/s of each, the job's ratio to both limits
+(the job's rows/s over ``bench_e2e``'s processing interval, its first visible row to
+its last, and also over its batches' own seconds, which include the first wave's
+Kafka read and decoding: at 2 partitions, one wave, the first interval leaves out most
+of the job's work and flatters it),
 the job's CPU seconds per million rows over its processing interval and the cores it
 used there, inserts per batch and rows per block (the job's ``batch`` log lines), the
 metadata of each partition's commit (characters, as the broker counts them against
@@ -171,6 +175,14 @@ def verdict(ratio: float, job_cores_used: float, cores: int,
 BATCH_LINE: Final = re.compile(r"blockagg\.job: batch kind=\S+ batch=(\d+) ([^\n]*)")
 
 
+def batch_seconds(log_text: str) -> float:
+    """The batches' own seconds summed (each ``batch`` line's ``seconds``: the Spark job
+    from submission to the last final commit, the Kafka read and decoding included,
+    the JVM's start-up not)."""
+    return sum(float(dict(re.findall(r"(\w+)=([0-9.]+)(?:\s|$)", m.group(2))).get("seconds", 0))
+               for m in BATCH_LINE.finditer(log_text))
+
+
 def batch_figures(log_text: str) -> tuple[list[int], list[int]]:
     """``(blocks, rows)`` of each batch line that inserted a block: one insert per
     block, so ``blocks`` is the inserts of each batch."""
@@ -222,8 +234,11 @@ class PointResult:
             more.update({f"{v}_rows_per_s": rate, f"{v}_over_same": rate / same if same else 0.0,
                          f"{v}_over_job": rate / job if job else 0.0,
                          f"{v}_cores_used": median(self.of(v, "cores_used"))})
+        in_batches = median(self.of("job", "batch_rows_per_s"))
         return {
             "job_rows_per_s": job, "same_rows_per_s": same, "large_rows_per_s": large,
+            "job_batch_rows_per_s": in_batches,
+            "job_batch_over_same": in_batches / same if same else 0.0,
             "job_over_same": ratio, "job_over_large": job / large if large else 0.0,
             "job_cpu_s_per_mrows": median(self.of("job", "cpu_s_per_mrows")),
             "job_cores_used": cores_used,
@@ -244,6 +259,7 @@ class PointResult:
                 f"rows/message={p.rows_per_message} row_bytes={self.row_bytes:.0f}: job "
                 f"{s['job_rows_per_s']:,.0f} rows/s, same blocks {s['same_rows_per_s']:,.0f}, "
                 f"large blocks {s['large_rows_per_s']:,.0f}; job/same {s['job_over_same']:.2f} "
+                f"(over its batches' own seconds {s['job_batch_over_same']:.2f}) "
                 f"job/large {s['job_over_large']:.2f}; job cpu {s['job_cpu_s_per_mrows']:.2f} "
                 f"s/Mrows ({s['job_cores_used']:.2f} cores); {s['inserts_per_batch']:,.0f} "
                 f"inserts/batch, {s['rows_per_block']:,.0f} rows/block; metadata "
@@ -345,12 +361,16 @@ class Runner:
         r = b.one_run(mode, cores, self.args.block_rows)
         tag = f"{mode}-{cores}-{self.args.block_rows}-{b.generation}"
         log = b.folder / f"{tag}.log"
-        blocks, rows = batch_figures(log.read_text(errors="replace") if log.exists() else "")
+        text = log.read_text(errors="replace") if log.exists() else ""
+        blocks, rows = batch_figures(text)
+        in_batches = batch_seconds(text)
         metadata = metadata_figures(self.commit_metadata(f"e2e-{b.run_id}-{tag}"))
         mean, most = self.parts("t%")
         busy = r.processing_cpu_s / r.seconds if r.seconds else 0.0
         return {
             "rows_per_s": r.rows_per_s, "seconds": r.seconds, "startup_s": r.startup_s,
+            "batch_seconds": in_batches,
+            "batch_rows_per_s": r.rows / in_batches if in_batches else 0.0,
             "rows_stored": r.rows, "complete": r.rows == b.rows.rows and r.exit_code == 0,
             "exit_code": r.exit_code,
             "cpu_s_per_mrows": r.processing_cpu_s / r.rows * 1e6 if r.rows else 0.0,

@@ -19,6 +19,7 @@ from bench.bench_curves import (
     PointResult,
     abba,
     batch_figures,
+    batch_seconds,
     contenders,
     dump,
     load,
@@ -131,6 +132,11 @@ messages=10 rows=20 bytes=70 blocks=4 replayed_blocks=0 seconds=1.0
 def test_batch_figures_count_the_batches_that_inserted() -> None:
     assert batch_figures(LOG) == ([80, 4], [100_000, 20])
     assert batch_figures("") == ([], [])
+
+
+def test_batch_seconds_sum_every_batch_line() -> None:
+    assert batch_seconds(LOG) == pytest.approx(0.1 + 13.816 + 1.0)  # not "still running"
+    assert batch_seconds("") == 0.0
 
 
 def test_metadata_figures_count_characters_as_the_broker_does() -> None:
