@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from bench.workload import REPO_ROOT, PoolEntry, Rows, create_tables, execute_everywhere
+from bench.workload import REPO_ROOT, PoolEntry, Rows, create_tables
 
 CURVES: Final[dict[str, tuple[str, ...]]] = {
     "tables": ("10", "100", "500", "1000"),
@@ -411,14 +411,9 @@ class Runner:
                 "server_cpu_s_per_mrows": r.server_cpu_s / r.rows * 1e6, "note": r.note}
 
     def drop(self, like: str) -> None:
-        """Drop the point's tables ``LIKE like`` on every replica, so a 1,000-table point
-        does not leave thousands of tables loading the next one's servers."""
-        b = self.bench
-        names = [n for (n,) in b.clients[0].execute(
-            "SELECT name FROM system.tables WHERE database = %(db)s AND name LIKE %(like)s",
-            {"db": b.database, "like": like})]
-        execute_everywhere(b.host, b.ports,
-                           [f"DROP TABLE IF EXISTS {b.database}.{n}" for n in names])
+        """Drop the point's tables ``LIKE like``, so a 1,000-table point does not leave
+        thousands of tables loading the next one's servers."""
+        self.bench.drop_tables(like)
 
     def run(self) -> PointResult:
         self.prepare()

@@ -220,17 +220,22 @@ class Bench:
                 f"{self.database}.dead_letters",
                 zk_path=f"/clickhouse/tables/{{shard}}/{self.database}/g{g}/dead_letters")])
 
-    def drop_database(self) -> None:
-        """Drop the run's tables many at a time, then its database. 18.16 drops a
-        database's tables one by one (79 s for 2,000 replicated tables), and tables
-        left behind keep loading the servers (load average 21 on 2 cores after
-        ``bench_min_rows`` at 1,000 tables)."""
+    def drop_tables(self, like: str = "%") -> None:
+        """Drop the run's tables whose name is ``LIKE like``, many at a time on each
+        replica: tables left behind keep loading the servers (load average 21 on 2
+        cores after ``bench_min_rows`` at 1,000 tables)."""
         from bench.workload import execute_everywhere
 
         names = [n for (n,) in self.clients[0].execute(
-            "SELECT name FROM system.tables WHERE database = %(db)s", {"db": self.database})]
+            "SELECT name FROM system.tables WHERE database = %(db)s AND name LIKE %(like)s",
+            {"db": self.database, "like": like})]
         execute_everywhere(self.host, self.ports,
                            [f"DROP TABLE IF EXISTS {self.database}.{n}" for n in names])
+
+    def drop_database(self) -> None:
+        """Every table (:meth:`drop_tables`), then the database: 18.16 drops a
+        database's tables one by one (79 s for 2,000 replicated tables)."""
+        self.drop_tables()
         for c in self.clients:
             c.execute(f"DROP DATABASE IF EXISTS {self.database}")
 
