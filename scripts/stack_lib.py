@@ -1468,27 +1468,118 @@ def _root_addresses() -> list[str]:
     return [f.split()[3] for f in out.splitlines() if len(f.split()) > 3]
 
 
+OWNER_ALIAS_PREFIX = "blockagg stack "
+"""The bridge's alias (``ip link ... alias``, /sys/class/net/<bridge>/ifalias) is this
+prefix + the folder of the stack that created it: the kernel keeps it while the folder may
+go (a fresh clone, a deleted checkout), so ``up`` and ``down`` can tell whose it is."""
+
+
+def owner_alias(root: Path) -> str | None:
+    """The alias naming ``root`` as the bridge's owner, or None if it does not fit the
+    kernel's 255 bytes (the network then works, only unnamed)."""
+    alias = f"{OWNER_ALIAS_PREFIX}{root.resolve()}"
+    return alias if len(alias.encode()) <= 255 else None
+
+
+def alias_owner(alias: str) -> Path | None:
+    """The stack folder an alias names, or None (no alias: a stack from before it)."""
+    return Path(alias[len(OWNER_ALIAS_PREFIX):]) if alias.startswith(OWNER_ALIAS_PREFIX) else None
+
+
+def leftover_verdict(root: Path, bridge: str, owner: Path | None, owner_has_record: bool,
+                     pids: Sequence[int]) -> str | None:
+    """Whether ``up`` of the stack in ``root`` may take over the existing ``bridge`` it has
+    no record of: None if so, else why not (one line). Pure.
+
+    Any process in one of the network's namespaces means a stack is running there: never
+    touched. A stopped stack elsewhere that still records the network keeps it (its
+    ``down`` removes it). Otherwise the network is a leftover of a stack that was killed
+    and whose folder is gone or re-cloned (the kernel outlives both), and is taken over."""
+    if pids:
+        shown = ", ".join(str(p) for p in sorted(pids)[:5])
+        return (f"bridge {bridge} is in use: pid {shown} run in its nodes' namespaces "
+                f"(the stack in {owner or 'another folder'}); stop that stack or give this "
+                "one other ports")
+    if owner is not None and owner != root.resolve() and owner_has_record:
+        return (f"bridge {bridge} belongs to the stopped stack in {owner}: "
+                f"`BLOCKAGG_STACK_DIR={owner} scripts/stack down` removes it; or give this "
+                "stack other ports")
+    return None
+
+
+def _bridge_alias(bridge: str) -> str:
+    try:
+        return Path("/sys/class/net", bridge, "ifalias").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _netns_pids(name: str) -> list[int]:
+    if not _netns_exists(name):
+        return []
+    out = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                         check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def _remove_links(names: Mapping[str, list[str]]) -> list[str]:
+    """Delete the veths, namespaces and bridge listed (those that exist); what it removed.
+    Veths first: deleting one end deletes the pair at once, whereas a deleted namespace's
+    veths go when the kernel gets to it, racing a later ``ip link del``."""
+    removed = []
+    for link in names.get("veth", []):
+        if _link_exists(link):
+            _ip("link", "del", link)
+            removed.append(link)
+    for ns in names.get("namespace", []):
+        if _netns_exists(ns):
+            _ip("netns", "del", ns)
+            removed.append(ns)
+    for link in names.get("bridge", []):
+        if _link_exists(link):
+            _ip("link", "del", link)
+            removed.append(link)
+    return removed
+
+
+def take_over_leftover(cfg: StackConfig) -> None:
+    """The existing bridge of ``cfg``'s tag, which ``cfg.root`` has no record of: removed
+    with its namespaces and veths if :func:`leftover_verdict` allows, else refused."""
+    net = cfg.broker_network
+    owner = alias_owner(_bridge_alias(net.bridge))
+    pids = [p for n in range(1, net.nodes + 1) for p in _netns_pids(net.namespace(n))]
+    owner_has_record = owner is not None and (owner / BROKER_NET_FILE).exists()
+    problem = leftover_verdict(cfg.root, net.bridge, owner, owner_has_record, pids)
+    if problem:
+        raise StackError(problem)
+    removed = _remove_links(parse_network_record(net.record()))
+    log(f"removed the brokers' network left by a stack that no longer runs "
+        f"({owner or 'folder unknown'}): {' '.join(removed)}")
+
+
 def ensure_broker_network(cfg: StackConfig) -> None:
     """Create whatever of the stack's broker network is missing (idempotent: after a crash
     it completes what is there). An existing veth keeps its state: a cut node stays cut
-    until ``heal``."""
+    until ``heal``. A network of the same name this folder has no record of is taken over
+    only when nothing runs in it (:func:`leftover_verdict`)."""
     check_isolation(cfg)
     net = cfg.broker_network
     record = cfg.root / BROKER_NET_FILE
+    if _link_exists(net.bridge) and not record.exists():
+        take_over_leftover(cfg)
     if not _link_exists(net.bridge):
         clash = subnet_clash(net.subnet, _root_addresses())
         if clash:
             raise StackError(f"the brokers' subnet {net.subnet} overlaps {clash} on this "
                              "machine; move BLOCKAGG_KAFKA_PORT (the third number is it mod 256)")
-    elif not record.exists():
-        raise StackError(f"bridge {net.bridge} exists but {cfg.root} did not create it: "
-                         f"another stack with BLOCKAGG_KAFKA_PORT={net.tag} isolates its "
-                         "brokers; give this stack other ports")
     cfg.root.mkdir(parents=True, exist_ok=True)
     record.write_text(net.record())
     if not _link_exists(net.bridge):
         _ip("link", "add", net.bridge, "type", "bridge", "forward_delay", "0")
         _ip("addr", "add", f"{net.gateway}/24", "dev", net.bridge)
+        alias = owner_alias(cfg.root)
+        if alias:
+            _ip("link", "set", "dev", net.bridge, "alias", alias)
     _ip("link", "set", net.bridge, "up")
     for n in range(1, net.nodes + 1):
         ns, veth, peer = net.namespace(n), net.veth(n), net.peer(n)
@@ -1514,14 +1605,13 @@ def teardown_broker_network(cfg: StackConfig) -> list[str]:
     if problem:
         raise StackError(f"cannot remove the brokers' network of {cfg.root}: {problem}")
     removed = []
-    for ns in names.get("namespace", []):
-        if _netns_exists(ns):
-            _ip("netns", "del", ns)
-            removed.append(ns)
-    for link in [*names.get("veth", []), *names.get("bridge", [])]:
-        if _link_exists(link):
-            _ip("link", "del", link)
-            removed.append(link)
+    owners = {alias_owner(_bridge_alias(b)) for b in names.get("bridge", []) if _link_exists(b)}
+    taken = {o for o in owners if o is not None and o != cfg.root.resolve()}
+    if taken:
+        log(f"the brokers' network recorded here is now the stack's in {taken.pop()}; "
+            "left to it")
+    else:
+        removed = _remove_links(names)
     record.unlink()
     return removed
 

@@ -226,3 +226,30 @@ def test_the_isolation_is_remembered_only_when_set(tmp_path: Path) -> None:
 
 def test_down_of_a_stack_that_never_isolated_touches_no_network(tmp_path: Path) -> None:
     assert stack_lib.teardown_broker_network(cfg_for(tmp_path)) == []
+
+
+def test_a_leftover_bridge_is_taken_over_only_when_nothing_runs_in_it_and_no_stack_keeps_it(
+        tmp_path: Path) -> None:
+    """``up`` finds the bridge of its name but no record of it: a killed stack's leftover
+    (the kernel outlives a re-cloned folder) is taken over; a running or a stopped stack's
+    network elsewhere is refused, naming who has it and what to do."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    verdict = stack_lib.leftover_verdict
+    assert verdict(mine, "bagg23092", None, False, []) is None
+    assert verdict(mine, "bagg23092", mine.resolve(), False, []) is None
+    assert verdict(mine, "bagg23092", other, False, []) is None  # its folder is gone
+    running = verdict(mine, "bagg23092", other, True, [4242, 17])
+    assert running is not None and "pid 17, 4242" in running and str(other) in running
+    unnamed = verdict(mine, "bagg23092", None, False, [17])
+    assert unnamed is not None and "another folder" in unnamed
+    stopped = verdict(mine, "bagg23092", other, True, [])
+    assert stopped is not None
+    assert f"BLOCKAGG_STACK_DIR={other} scripts/stack down" in stopped
+
+
+def test_the_owner_alias_names_the_folder_and_fits_the_kernel(tmp_path: Path) -> None:
+    alias = stack_lib.owner_alias(tmp_path)
+    assert alias is not None and stack_lib.alias_owner(alias) == tmp_path.resolve()
+    assert stack_lib.alias_owner("") is None
+    assert stack_lib.alias_owner("uplink to the rack") is None
+    assert stack_lib.owner_alias(tmp_path / ("x" * 300)) is None
