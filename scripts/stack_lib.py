@@ -1542,12 +1542,18 @@ def _remove_links(names: Mapping[str, list[str]]) -> list[str]:
     return removed
 
 
+def network_pids(net: BrokerNetwork) -> list[int]:
+    """The processes running in ``net``'s namespaces: a live stack's nodes, whatever its
+    ports look like from the root namespace (its nodes listen on their own addresses)."""
+    return [p for n in range(1, net.nodes + 1) for p in _netns_pids(net.namespace(n))]
+
+
 def take_over_leftover(cfg: StackConfig) -> None:
     """The existing bridge of ``cfg``'s tag, which ``cfg.root`` has no record of: removed
     with its namespaces and veths if :func:`leftover_verdict` allows, else refused."""
     net = cfg.broker_network
     owner = alias_owner(_bridge_alias(net.bridge))
-    pids = [p for n in range(1, net.nodes + 1) for p in _netns_pids(net.namespace(n))]
+    pids = network_pids(net)
     owner_has_record = owner is not None and (owner / BROKER_NET_FILE).exists()
     problem = leftover_verdict(cfg.root, net.bridge, owner, owner_has_record, pids)
     if problem:

@@ -83,14 +83,16 @@ stack 0/1000/5000/7000 and the fault suite 2000/3000/6000/8000."""
 
 def cluster_shift(env: Mapping[str, str] | None = None) -> int:
     """``BLOCKAGG_CLUSTER_PORT_SHIFT``, else the first of :data:`CLUSTER_SHIFTS` whose ports
-    (every service's and the two extra brokers') are all free."""
+    (every service's and the two extra brokers') are all free and whose isolated brokers'
+    network, if any, has nothing running in it (its nodes listen off loopback)."""
     env = os.environ if env is None else env
     if env.get("BLOCKAGG_CLUSTER_PORT_SHIFT"):
         return int(env["BLOCKAGG_CLUSTER_PORT_SHIFT"])
     for shift in CLUSTER_SHIFTS:
         ports = [d + shift for _, d in stack_lib.PORT_DEFAULTS.values()]
         ports += [stack_lib.PORT_DEFAULTS["kafka"][1] + shift + step for step in (2, 3, 4, 5)]
-        if not any(stack_lib.port_in_use(p) for p in ports):
+        net = stack_lib.BrokerNetwork.for_stack(stack_lib.PORT_DEFAULTS["kafka"][1] + shift, 3)
+        if not any(stack_lib.port_in_use(p) for p in ports) and not stack_lib.network_pids(net):
             return shift
     raise RuntimeError(f"no free port shift among {CLUSTER_SHIFTS} for the cluster stack; "
                        "set BLOCKAGG_CLUSTER_PORT_SHIFT")
