@@ -1487,19 +1487,18 @@ def alias_owner(alias: str) -> Path | None:
 
 
 def leftover_verdict(root: Path, bridge: str, owner: Path | None, owner_has_record: bool,
-                     pids: Sequence[int]) -> str | None:
+                     live: Sequence[str]) -> str | None:
     """Whether ``up`` of the stack in ``root`` may take over the existing ``bridge`` it has
     no record of: None if so, else why not (one line). Pure.
 
-    Any process in one of the network's namespaces means a stack is running there: never
-    touched. A stopped stack elsewhere that still records the network keeps it (its
-    ``down`` removes it). Otherwise the network is a leftover of a stack that was killed
-    and whose folder is gone or re-cloned (the kernel outlives both), and is taken over."""
-    if pids:
-        shown = ", ".join(str(p) for p in sorted(pids)[:5])
-        return (f"bridge {bridge} is in use: pid {shown} run in its nodes' namespaces "
-                f"(the stack in {owner or 'another folder'}); stop that stack or give this "
-                "one other ports")
+    Any sign of life (``live``: a process in one of the network's namespaces, a node that
+    answers) means a stack is running there: never touched. A stopped stack elsewhere that
+    still records the network keeps it (its ``down`` removes it). Otherwise the network is
+    a leftover of a stack that was killed and whose folder is gone or re-cloned (the kernel
+    outlives both), and is taken over."""
+    if live:
+        return (f"bridge {bridge} is in use by the stack in {owner or 'another folder'} "
+                f"({', '.join(live[:3])}): stop that stack or give this one other ports")
     if owner is not None and owner != root.resolve() and owner_has_record:
         return (f"bridge {bridge} belongs to the stopped stack in {owner}: "
                 f"`BLOCKAGG_STACK_DIR={owner} scripts/stack down` removes it; or give this "
@@ -1548,14 +1547,34 @@ def network_pids(net: BrokerNetwork) -> list[int]:
     return [p for n in range(1, net.nodes + 1) for p in _netns_pids(net.namespace(n))]
 
 
+def answering_nodes(net: BrokerNetwork, kafka_port: int) -> list[str]:
+    """The node addresses of ``net`` whose Kafka port accepts a connection (``host:port``):
+    a live stack seen from this network namespace alone, for a process that does not see
+    the namespaces' mounts under /var/run/netns (another mount namespace on this kernel)."""
+    if not _link_exists(net.bridge):
+        return []
+    found = []
+    for n in range(1, net.nodes + 1):
+        host, port = net.address(n), kafka_port + BROKER_PORT_STEP * (n - 1)
+        if port_in_use(port, host):
+            found.append(f"{host}:{port}")
+    return found
+
+
+def network_in_use(net: BrokerNetwork, kafka_port: int) -> list[str]:
+    """What shows ``net`` belongs to a running stack (pids, answering nodes); empty if none."""
+    return ([f"pid {p}" for p in sorted(network_pids(net))]
+            or [f"a Kafka node at {a}" for a in answering_nodes(net, kafka_port)])
+
+
 def take_over_leftover(cfg: StackConfig) -> None:
     """The existing bridge of ``cfg``'s tag, which ``cfg.root`` has no record of: removed
     with its namespaces and veths if :func:`leftover_verdict` allows, else refused."""
     net = cfg.broker_network
     owner = alias_owner(_bridge_alias(net.bridge))
-    pids = network_pids(net)
+    live = network_in_use(net, cfg.ports.kafka)
     owner_has_record = owner is not None and (owner / BROKER_NET_FILE).exists()
-    problem = leftover_verdict(cfg.root, net.bridge, owner, owner_has_record, pids)
+    problem = leftover_verdict(cfg.root, net.bridge, owner, owner_has_record, live)
     if problem:
         raise StackError(problem)
     removed = _remove_links(parse_network_record(net.record()))

@@ -91,8 +91,10 @@ def cluster_shift(env: Mapping[str, str] | None = None) -> int:
     for shift in CLUSTER_SHIFTS:
         ports = [d + shift for _, d in stack_lib.PORT_DEFAULTS.values()]
         ports += [stack_lib.PORT_DEFAULTS["kafka"][1] + shift + step for step in (2, 3, 4, 5)]
-        net = stack_lib.BrokerNetwork.for_stack(stack_lib.PORT_DEFAULTS["kafka"][1] + shift, 3)
-        if not any(stack_lib.port_in_use(p) for p in ports) and not stack_lib.network_pids(net):
+        kafka = stack_lib.PORT_DEFAULTS["kafka"][1] + shift
+        net = stack_lib.BrokerNetwork.for_stack(kafka, 3)
+        if (not any(stack_lib.port_in_use(p) for p in ports)
+                and not stack_lib.network_in_use(net, kafka)):
             return shift
     raise RuntimeError(f"no free port shift among {CLUSTER_SHIFTS} for the cluster stack; "
                        "set BLOCKAGG_CLUSTER_PORT_SHIFT")

@@ -4,6 +4,7 @@ bridge that a folder has no record of. CI runs as root; elsewhere the reason is 
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,15 +54,22 @@ def test_a_killed_stacks_network_is_taken_over_a_live_or_kept_one_is_not(
     with pytest.raises(StackError, match=r"belongs to the stopped stack in .*first"):
         stack_lib.ensure_broker_network(second)
 
-    ns = first.broker_network.namespace(2)
-    sleeper = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"])
+    net, node = first.broker_network, first.kafka_brokers[1]
+    listen = ("import socket, sys, time; s = socket.socket(); "
+              f"s.bind(({node.host!r}, {node.port})); s.listen(); print(1, flush=True); "
+              "time.sleep(60)")
+    node_2 = subprocess.Popen(["ip", "netns", "exec", net.namespace(2), sys.executable, "-c",
+                               listen], stdout=subprocess.PIPE, text=True)
     try:
+        assert node_2.stdout is not None and node_2.stdout.readline() == "1\n"
+        assert stack_lib.answering_nodes(net, first.ports.kafka) == [f"{node.host}:{node.port}"]
         (first.root / stack_lib.BROKER_NET_FILE).unlink()  # the first folder re-cloned
-        with pytest.raises(StackError, match=rf"in use: pid {sleeper.pid} run in"):
+        with pytest.raises(StackError, match=rf"in use by .*first \(pid {node_2.pid}\)"):
             stack_lib.ensure_broker_network(second)
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        node_2.kill()
+        node_2.wait()
+    assert stack_lib.network_in_use(net, first.ports.kafka) == []
 
     stack_lib.ensure_broker_network(second)  # nothing runs, no record keeps it: taken
     alias = Path("/sys/class/net", bridge, "ifalias").read_text().strip()

@@ -238,10 +238,10 @@ def test_a_leftover_bridge_is_taken_over_only_when_nothing_runs_in_it_and_no_sta
     assert verdict(mine, "bagg23092", None, False, []) is None
     assert verdict(mine, "bagg23092", mine.resolve(), False, []) is None
     assert verdict(mine, "bagg23092", other, False, []) is None  # its folder is gone
-    running = verdict(mine, "bagg23092", other, True, [4242, 17])
-    assert running is not None and "pid 17, 4242" in running and str(other) in running
-    unnamed = verdict(mine, "bagg23092", None, False, [17])
-    assert unnamed is not None and "another folder" in unnamed
+    running = verdict(mine, "bagg23092", other, True, ["pid 17", "pid 4242"])
+    assert running is not None and "pid 17, pid 4242" in running and str(other) in running
+    unnamed = verdict(mine, "bagg23092", None, False, ["a Kafka node at 10.77.52.11:23092"])
+    assert unnamed is not None and "another folder (a Kafka node at 10.77.52.11" in unnamed
     stopped = verdict(mine, "bagg23092", other, True, [])
     assert stopped is not None
     assert f"BLOCKAGG_STACK_DIR={other} scripts/stack down" in stopped
