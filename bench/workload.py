@@ -158,6 +158,19 @@ def proc_cpu_seconds(pid: int) -> float:
     return sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks
 
 
+def server_events(client: Any) -> dict[str, int]:
+    """A ClickHouse server's cumulative ``system.events`` (every query's and background
+    task's counters since it started): the difference of two snapshots is what the server
+    did in between, whatever asked for it, with no query log configured."""
+    return {str(name): int(value)
+            for name, value in client.execute("SELECT event, value FROM system.events")}
+
+
+def events_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """``after - before`` per event, events that did not move left out."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
 def session_processes(sid: int) -> dict[int, tuple[float, int]]:
     """``pid -> (utime + stime + waited-for children's, in seconds; RSS in bytes)`` of
     every live process in session ``sid``, from ``/proc``."""
