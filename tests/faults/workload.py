@@ -465,12 +465,15 @@ class Workload:
         if self._producer is None:
             from confluent_kafka import Producer
 
-            self._producer = Producer({
+            from blockagg.logs import kafka_client_config
+
+            # through the logging setup: it outlives the suite's stacks until exit
+            self._producer = Producer(kafka_client_config({
                 "bootstrap.servers": self.bootstrap, "enable.idempotence": True,
                 "acks": "all", "linger.ms": 20, "batch.size": 1 << 20,
                 "compression.type": "lz4", "message.timeout.ms": 600_000,
                 "queue.buffering.max.messages": 1_000_000,
-            })
+            }))
         return self._producer
 
     def _delivery(self, table: str | None, ids: np.ndarray[Any, Any] | None, shard: int = 0

@@ -142,8 +142,11 @@ class ProducedTopic:
 def produced_topic(kafka_bootstrap: str, new_topic: Callable[..., str]) -> ProducedTopic:
     from confluent_kafka import Producer
 
+    from blockagg.logs import kafka_client_config
+
     topic = new_topic(partitions=3, prefix="produced")
-    producer = Producer({"bootstrap.servers": kafka_bootstrap, "enable.idempotence": True})
+    producer = Producer(kafka_client_config({"bootstrap.servers": kafka_bootstrap,
+                                             "enable.idempotence": True}))
     delivered: list[Produced] = []
     errors: list[str] = []
 
