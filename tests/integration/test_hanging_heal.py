@@ -104,10 +104,13 @@ def leave_open(bootstrap: str, group: str, topic: str, partition: int, offset: i
     from confluent_kafka import Consumer, Producer, TopicPartition
 
     from blockagg.aggregator.kafka.fencing import transactional_id
+    from blockagg.logs import kafka_client_config
 
-    producer = Producer({"bootstrap.servers": bootstrap,
-                         "transactional.id": transactional_id(group, topic, partition),
-                         "transaction.timeout.ms": 60_000})
+    # kept until exit, past its broker's stop: its lines go through the logging setup
+    producer = Producer(kafka_client_config({
+        "bootstrap.servers": bootstrap,
+        "transactional.id": transactional_id(group, topic, partition),
+        "transaction.timeout.ms": 60_000}))
     producer.init_transactions(30)
     producer.begin_transaction()
     member = Consumer({"bootstrap.servers": bootstrap, "group.id": group})
