@@ -123,6 +123,7 @@ class Feed:
     def __init__(self, bootstrap: str, topic: str, database: str, proto_file: Path) -> None:
         from confluent_kafka import Producer
 
+        from blockagg.logs import kafka_client_config
         from blockagg.proto.descriptors import compile_proto, load_descriptor, message_class
 
         self.topic = topic
@@ -134,8 +135,9 @@ class Feed:
         self.next_id = 1
         self.counter = 0
         self.errors: list[str] = []
-        self.plain = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                               "linger.ms": 5})
+        # through the logging setup: a feed may outlive its broker (a private one)
+        self.plain = Producer(kafka_client_config({
+            "bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 5}))
         self.bootstrap = bootstrap
         self._txn: Any = None
 
@@ -207,9 +209,12 @@ class Feed:
         records are invisible to ``read_committed`` and must never arrive."""
         from confluent_kafka import Producer
 
+        from blockagg.logs import kafka_client_config
+
         if self._txn is None:
-            self._txn = Producer({"bootstrap.servers": self.bootstrap,
-                                  "transactional.id": f"it-ch-{uuid.uuid4().hex[:8]}"})
+            self._txn = Producer(kafka_client_config({
+                "bootstrap.servers": self.bootstrap,
+                "transactional.id": f"it-ch-{uuid.uuid4().hex[:8]}"}))
             self._txn.init_transactions(30)
         self._txn.begin_transaction()
         for k in range(messages):
