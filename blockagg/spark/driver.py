@@ -105,6 +105,7 @@ from blockagg.spark.task import (
     run_arrow_partition,
     run_partition,
     run_range,
+    structure_marks,
 )
 from blockagg.spark.watch import BatchWatch, Watchdog, job_times, stage_progress
 
@@ -125,7 +126,8 @@ an idle job."""
 
 BATCH_LINE_SECONDS: Final = (
     "seconds", "max_task_seconds", "task_seconds", "commit_seconds", "insert_seconds",
-    "plan_seconds", "checks_seconds", "ends_seconds", "spark_seconds", "build_seconds",
+    "plan_seconds", "checks_seconds", "ends_seconds", "mark_seconds", "spark_seconds",
+    "build_seconds",
     "start_seconds", "last_start_seconds", "submit_seconds", "launch_seconds",
     "read_seconds")
 """The :class:`BatchSummary` timings on the batch line, in its order (docs/running.md)."""
@@ -157,9 +159,12 @@ class BatchSummary:
     reading its planned ranges (the offset log, and a consumer for inexact starts);
     ``checks_seconds`` the new-partition check and the idle re-commits;
     ``ends_seconds`` the partitions' log-end offsets (``partition_ends``);
+    ``mark_seconds`` the structure marks under content-hash deduplication
+    (``spark.task.structure_marks``);
     ``spark_seconds`` Spark's job over the tasks, submission to the collected reports."""
     checks_seconds: float = 0.0
     ends_seconds: float = 0.0
+    mark_seconds: float = 0.0
     spark_seconds: float = 0.0
     start_seconds: float = 0.0
     """From the Spark job's submission to the first task's Python function starting
@@ -510,12 +515,14 @@ class Driver:
         nonempty = {tp: r for tp, r in ranges.items() if not r.empty}
         ends = self.partition_ends(nonempty)
         ends_seconds = time.time() - started
-        ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id,
-                          ends, dict(self.shard_partitions))
         reports: list[dict[str, Any]] = []
         names = [f"{t}[{p}]" for t, p in sorted(nonempty)]
-        submitted = built = time.time()
         with self.watch.watching(batch_id, kind, names):
+            marks = self.read_structure_marks({t for t, _ in nonempty})
+            mark_seconds = time.time() - started - ends_seconds
+            ctx = TaskContext(self.config, self.components, nonempty, batch_id, self.run_id,
+                              ends, dict(self.shard_partitions), marks)
+            submitted = built = time.time()
             try:
                 if nonempty and self.config.job.handover == "arrow":
                     tasks = df.select(*ROW_COLUMNS).mapInArrow(
@@ -543,6 +550,7 @@ class Driver:
             if int(rep["commits"]):
                 self.idle.saw_commit((rep["topic"], rep["partition"]))
         summary.ends_seconds = ends_seconds
+        summary.mark_seconds = mark_seconds
         summary.spark_seconds = spark_seconds
         summary.build_seconds = built - submitted
         if times is not None:
@@ -554,6 +562,34 @@ class Driver:
         summary.seconds = time.time() - started
         self.metrics.observe_reports(reports)
         return summary
+
+    def read_structure_marks(self, topics: set[str]) -> dict[str, int]:
+        """The batch's structure marks (:func:`spark.task.structure_marks`), read under
+        the batch watch: the read runs in a thread of its own and the batch waits for it
+        only until ``job.batch_timeout``, as it would for a task (a replica that stops
+        answering holds a ClickHouse read up to ``send_receive_timeout``); then
+        :class:`BatchTimedOut` stops the job and the read is abandoned with it."""
+        if not topics:
+            return {}
+        result: dict[str, int] = {}
+        failure: list[BaseException] = []
+        done = threading.Event()
+
+        def read() -> None:
+            try:
+                result.update(structure_marks(self.components, self.config, topics))
+            except BaseException as exc:  # raised in the batch's thread below
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=read, name="blockagg-structure-marks", daemon=True).start()
+        while not done.wait(0.05):
+            if self.watch.timed_out is not None:
+                raise BatchTimedOut(self.watch.timed_out)
+        if failure:
+            raise failure[0]
+        return result
 
     def partition_ends(self, ranges: Mapping[TopicPartition, PlannedRange]
                        ) -> dict[TopicPartition, int]:

@@ -100,6 +100,10 @@ class TaskContext:
     """For each topic, ``P``: the partitions of every topic writing its shard, as the
     driver counted them (``aggregator.clickhouse.dedup_window.shard_partitions``); a
     topic without it has no guard (:func:`block_shares`)."""
+    structure_marks: Mapping[str, int] = field(default_factory=dict)
+    """For each topic whose shard deduplicates by content hash, ``Pins.structure`` as the
+    driver read it before submitting the batch's tasks (:func:`structure_marks`); a topic
+    without one has its mark read by each task (:func:`current_pins`)."""
 
 
 def now_s() -> int:
@@ -181,7 +185,7 @@ def block_shares(ctx: TaskContext, topic: TopicConfig, batch: Batch) -> tuple[Bl
 
 def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
                  registry: Any, parsed: Sequence[Parsed | Rejected] | Envelopes,
-                 timestamps_ms: Sequence[int]) -> Pins:
+                 timestamps_ms: Sequence[int], driver_mark: int = 0) -> Pins:
     """What a batch that replays nothing is prepared under now.
 
     * ``registry``: 1 + the registry topic's end offset the worker's snapshot covers,
@@ -190,7 +194,8 @@ def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
     * ``incarnation``: ``incarnation_of(cluster id, topic id)``, read from Kafka;
     * ``dedup``: the shard's server mode (token or content hash);
     * ``structure``: under content hash, the ZooKeeper mark of the columns of every
-      registered table and the dead-letter table, read before any first attempt.
+      registered table and the dead-letter table, read before any first attempt:
+      ``driver_mark`` when the driver read one for the batch, else read here.
 
     Components without ``incarnation``/``dedup_mode`` (test doubles) leave those 0,
     and a registry without positions leaves ``registry`` 0: unpinned, as before."""
@@ -211,11 +216,46 @@ def current_pins(components: Any, config: Config, topic: TopicConfig, name: str,
     mode = int(dedup(config, topic)) if dedup else 0
     mark = getattr(components, "structure_mark", None)
     structure = 0
-    if mark and mode == DedupMode.BLOCK_HASH:
+    if mode == DedupMode.BLOCK_HASH and driver_mark > 0:
+        structure = driver_mark
+    elif mark and mode == DedupMode.BLOCK_HASH:
         structure = int(mark(config, topic, registered_tables(config, registry)))
     return Pins(registry=position,
                 incarnation=int(incarnation(config, name)) if incarnation else 0,
                 dedup=mode, structure=structure)
+
+
+def structure_marks(components: Any, config: Config, topics: Iterable[str]) -> dict[str, int]:
+    """``Pins.structure`` of each of ``topics`` whose shard deduplicates by content
+    hash, read once by the driver before a batch's tasks are submitted, so that a
+    batch reads the shard's ZooKeeper once and not once per task (a new Python worker
+    reads every table's ``columns`` nodes).
+
+    Read before the tasks start, a mark is at most the one a task would read, and still
+    at or above each covered table's last change then: any later change, and the
+    table of a worker whose registry knows more tables, is only checked more often on a
+    re-send, never less (:mod:`aggregator.clickhouse.structure`). A topic whose mark is
+    0 (no table replicated in the driver's view) or can't be read now is left out: its
+    tasks read their own, which retries and fails the task as before."""
+    mark = getattr(components, "structure_mark", None)
+    dedup = getattr(components, "dedup_mode", None)
+    if mark is None or dedup is None:
+        return {}
+    marks: dict[str, int] = {}
+    for name in sorted(set(topics)):
+        topic = config.topic_for(name)
+        try:
+            if int(dedup(config, topic)) != DedupMode.BLOCK_HASH:
+                continue
+            tables = registered_tables(config, components.registry(config))
+            value = int(mark(config, topic, tables))
+        except Exception as exc:  # the tasks read it themselves, with their retries
+            logs.event(_log, "structure mark not read by the driver (each task reads it)",
+                       level=30, topic=name, error=f"{type(exc).__name__}: {exc}"[:500])
+            continue
+        if value > 0:
+            marks[name] = value
+    return marks
 
 
 def registered_tables(config: Config, registry: Any) -> list[str]:
@@ -393,8 +433,9 @@ def _run_attempt(
     committed = store.committed(tp[0], tp[1])
     batch = prepare_partition(
         rng, offsets, values, timestamps_ms, committed, registry,
-        pins_now=lambda parsed, stamps: current_pins(ctx.components, config, topic_config,
-                                                     tp[0], registry, parsed, stamps),
+        pins_now=lambda parsed, stamps: current_pins(
+            ctx.components, config, topic_config, tp[0], registry, parsed, stamps,
+            ctx.structure_marks.get(tp[0], 0)),
         plans=lambda: worker_plans(config, topic_config, registry),
         dead_letter_table=config.dead_letters.table,
         missing_blocks=config.job.dead_letter_missing_blocks,

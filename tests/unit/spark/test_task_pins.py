@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from blockagg import logs
 from blockagg.aggregator.core.exceptions import TopicIncarnationChanged
 from blockagg.aggregator.core.metadata import DedupMode, Pins, decode
 from blockagg.aggregator.core.model import Batch, Block, Committed
@@ -262,3 +263,101 @@ def test_a_content_hash_batch_pins_the_mark_of_every_registered_table_and_a_repl
     run(comps, [*values, envelope(fds, "db.a", 4)])
     assert decode(comps._store.commits[("t", 0)].metadata).pins.structure == 0
     assert len(comps.marks) == asked
+
+
+def run_marked(comps: Components, values: list[bytes], marks: dict[str, int]) -> None:
+    ctx = TaskContext(loads(CONFIG), comps, {("t", 0): PlannedRange("t", 0, 0, len(values))},
+                      1, 2, structure_marks=marks)
+    run_range(ctx, ("t", 0), list(range(len(values))), values, [T0 + 50] * len(values))
+
+
+def test_a_mark_the_driver_read_for_the_batch_is_pinned_and_the_task_reads_none(
+        fds: bytes) -> None:
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    comps = Marked(RegistryCache(store))
+    run_marked(comps, [envelope(fds, "db.a", 1), envelope(fds, "db.a", 2)], {"t": 300})
+    assert comps.marks == []
+    assert decode(comps._store.commits[("t", 0)].metadata).pins.structure == 300
+    assert {pins.structure for pins, _ in comps._sink.blocks.values()} == {300}
+
+
+def test_without_a_driver_mark_for_its_topic_the_task_reads_its_own(fds: bytes) -> None:
+    """No mark for the topic (the driver's read failed, or found no replicated table in
+    its view of the registry): the task reads one, as before the driver read any."""
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    comps = Marked(RegistryCache(store))
+    run_marked(comps, [envelope(fds, "db.a", 1)], {"other": 300})
+    assert comps.marks == [("blockagg.dead_letters", "db.a")]
+    assert decode(comps._store.commits[("t", 0)].metadata).pins.structure == 500
+
+
+def test_a_driver_mark_is_ignored_once_the_shard_deduplicates_by_token(fds: bytes) -> None:
+    """The shard crossed the token boundary between the driver's read and the task's
+    (a rolling upgrade): the batch is pinned to token deduplication, without a mark."""
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    comps = Marked(RegistryCache(store))
+    comps.mode = DedupMode.TOKEN
+    run_marked(comps, [envelope(fds, "db.a", 1)], {"t": 300})
+    assert decode(comps._store.commits[("t", 0)].metadata).pins == Pins(
+        registry_pin(1), 11, DedupMode.TOKEN, 0)
+
+
+def test_a_replay_keeps_its_intents_mark_whatever_the_driver_read(fds: bytes) -> None:
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    comps = Marked(RegistryCache(store))
+    values = [envelope(fds, "db.a", 1), envelope(fds, "db.a", 2), envelope(fds, "db.a", 3)]
+    comps._store.crash_after = 1
+    with pytest.raises(Crash):
+        run_marked(comps, values, {"t": 300})
+    run_marked(comps, values, {"t": 800})     # an ALTER since the intent
+    assert {pins.structure for pins, _ in comps._sink.blocks.values()} == {300}
+
+
+class Shard(Marked):
+    """A double of the driver's view of each topic's shard for :func:`task.structure_marks`."""
+
+    def __init__(self, registry: RegistryCache, modes: dict[str, int],
+                 marks: dict[str, int | Exception]) -> None:
+        super().__init__(registry)
+        self.modes = modes
+        self.by_topic = marks
+
+    def dedup_mode(self, config: Any, topic: Any) -> int:
+        return self.modes[topic.name]
+
+    def structure_mark(self, config: Any, topic: Any, tables: Any) -> int:
+        self.marks.append(tuple(tables))
+        value = self.by_topic[topic.name]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+
+THREE_TOPICS = CONFIG + "".join(f'[[topics]]\nname = "{t}"\nreplicas = ["ch:9000"]\n'
+                                for t in ("u", "v", "w"))
+
+
+def test_the_driver_reads_one_mark_per_content_hash_topic(
+        fds: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """Token topics have none; a topic whose mark is 0 (nothing replicated) or unreadable
+    is left to its tasks, the latter with a WARNING naming the topic and the error."""
+    store = MemoryStore()
+    register(store, "db.a", "vt.V1", fds, now_ms=T0, columns=V1)
+    hash_, token = DedupMode.BLOCK_HASH, DedupMode.TOKEN
+    shard = Shard(RegistryCache(store), {"t": hash_, "u": token, "v": hash_, "w": hash_},
+                  {"t": 41, "u": 99, "v": 0, "w": ConnectionError("ch:9000 refused")})
+    marks = task.structure_marks(shard, loads(THREE_TOPICS), ["w", "t", "u", "v", "t"])
+    assert marks == {"t": 41}
+    assert shard.marks == [("blockagg.dead_letters", "db.a")] * 3
+    [fields] = [getattr(r, logs._FIELDS_ATTR) for r in caplog.records
+                if r.getMessage().startswith("structure mark not read by the driver")]
+    assert fields == {"topic": "w", "error": "ConnectionError: ch:9000 refused"}
+
+
+def test_components_without_marks_give_the_driver_none(fds: bytes) -> None:
+    comps = Components(RegistryCache(MemoryStore()))
+    assert task.structure_marks(comps, loads(CONFIG), ["t"]) == {}
