@@ -36,7 +36,10 @@ def stack_group(fixturenames: list[str], integration: bool) -> str | None:
     return "stack" if integration else None
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The groups, before pytest-xdist's own hook reads them (first: a worker registers
+    that hook after this file)."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
@@ -44,3 +47,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                             item.get_closest_marker("integration") is not None)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+UNGROUPED = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a worker: a test whose group pytest-xdist could not mark in its id (pytest
+    9.2 no longer lets it, pytest-xdist#1386; hence ``pytest<9.2`` in the ``dev``
+    extra) may run beside another test of its stack; it fails at setup instead, before
+    any fixture touches the stack."""
+    config = session.config
+    if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
+        return
+    for item in session.items:
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+            item.stash[UNGROUPED] = (
+                f"pytest-xdist did not keep this test in its stack's worker: pytest "
+                f"{pytest.__version__} does not let it mark the group; install the dev "
+                "extra's pytest (pip install -e '.[dev]') or run with -n 0")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    reason = item.stash.get(UNGROUPED, None)
+    if reason is not None:
+        pytest.fail(reason, pytrace=False)
