@@ -94,9 +94,9 @@ BLOCKS: dict[tuple[str, str, str], str] = {
      "run=\"1c88…\" partitions=4 messages=20000 rows=100123 bytes=2790000 blocks=12 "
      "replayed_blocks=0 dead_letters=40 skipped=0 commits=8 seconds=1.9 max_task_seconds=1.2 "
      "task_seconds=4.1 commit_seconds=0.3 insert_seconds=5.2 plan_seconds=0.02 "
-     "checks_seconds=0.0 ends_seconds=0.01 spark_seconds=1.8 build_seconds=0.03 "
-     "start_seconds=0.5 last_start_seconds=0.55 submit_seconds=0.15 launch_seconds=0.05 "
-     "fresh_workers=0 read_seconds=0.02"): OUTPUT,
+     "checks_seconds=0.0 ends_seconds=0.01 mark_seconds=0.01 spark_seconds=1.8 "
+     "build_seconds=0.03 start_seconds=0.5 last_start_seconds=0.55 submit_seconds=0.15 "
+     "launch_seconds=0.05 fresh_workers=0 read_seconds=0.02"): OUTPUT,
     ("running.md", "", "ERROR blockagg.job: start refused: topic shop.orders is delivered "
      "into shard ch1:9000,ch2:9000 by group 'orders-prod' (since 2026-11-26T10:02:11Z; "
      "orders-prod's committed resume offsets [0]=66011, [1]=65990), not by group "
