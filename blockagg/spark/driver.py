@@ -761,7 +761,8 @@ class Driver:
         worth a restart of the query is left for :meth:`wait` to apply between batches."""
         if self.sizing_goal.min_rows <= 0:
             return
-        history = [BatchFigures(b.offsets, tuple(b.block_rows), b.seconds)
+        history = [BatchFigures(b.offsets, tuple(b.block_rows), b.seconds,
+                                warm=b.fresh_workers == 0)
                    for b in self.batches[-SIZING_HISTORY:]]
         proposed = decide(self.sizing_goal, history)
         since = (None if self._sizing_changed_at is None

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -150,11 +151,17 @@ def figures(blocks: list[dict[str, Any]], sent: dict[tuple[int, int], float]
 
 def test_a_trickle_forms_fewer_larger_blocks_within_the_latency_bound(
         tmp_path: Path, stack_env: dict[str, str], new_topic: Callable[..., str]) -> None:
-    off_blocks, off_sent, _ = run_phase(tmp_path, stack_env, new_topic(partitions=2,
-                                                                       prefix="minrows"))
-    on_blocks, on_sent, log = run_phase(tmp_path, stack_env,
-                                        new_topic(partitions=2, prefix="minrows"),
-                                        "--set", f"blocks.min_rows={MIN_ROWS}")
+    """The job without and with ``min_rows`` run at the same time, each on its own topic
+    and trickle, so that a loaded machine slows both alike: one after the other, an
+    unsized run whose batches a busy machine slows forms larger blocks by itself (CI, two
+    test workers: 40 blocks of a median 9 rows, against 64 for the sized run)."""
+    off_topic, on_topic = (new_topic(partitions=2, prefix="minrows") for _ in range(2))
+    with ThreadPoolExecutor(2) as pool:
+        off_run = pool.submit(run_phase, tmp_path, stack_env, off_topic)
+        on_run = pool.submit(run_phase, tmp_path, stack_env, on_topic,
+                             "--set", f"blocks.min_rows={MIN_ROWS}")
+        off_blocks, off_sent, _ = off_run.result()
+        on_blocks, on_sent, log = on_run.result()
     off = figures(off_blocks, off_sent)
     on = figures(on_blocks, on_sent)
     print(f"off: blocks={off[0]} median={off[1]} worst={off[2]:.1f}s; "
@@ -163,5 +170,5 @@ def test_a_trickle_forms_fewer_larger_blocks_within_the_latency_bound(
     assert on[0] * 3 <= off[0], (off, on)
     assert on[1] >= 3 * off[1], (off, on)
     # the bound holds for the held batches; the calibration restart and a loaded
-    # machine's slow batch add a few seconds at most
-    assert on[2] <= MAX_LATENCY_S + 6, (on, log[-3000:])
+    # machine's slow batch add a few seconds at most, as much as the unsized run's
+    assert on[2] <= max(MAX_LATENCY_S, off[2]) + 6, (off, on, log[-3000:])
