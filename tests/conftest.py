@@ -7,33 +7,75 @@ for the cores; a SparkSession with one small query starts in ~6 s instead of ~8.
 (docs/BENCHMARKS.md, *Test JVMs*). Production jobs keep the JVM's defaults: this file
 configures tests only.
 
-With pytest-xdist (``-n 2 --dist loadgroup``, the README's command), every test that
-uses one stack runs in one worker, in collection order: the tests of the default stack
-(``integration``) stop and restart its services and rely on their order, and each
-private stack of the fault suite (``fault_stack``, ``cluster_fault_stack``) is a session
-fixture that one worker starts and stops. Two workers never share a stack; the
-suites overlap each other's waits (broker pauses, session timeouts, catch-up polls).
-Tests of no stack go to whichever worker is free.
+With pytest-xdist (``-n 2 --dist loadgroup``, the README's command) each worker has a
+default stack of its own: worker ``gw0`` the session's (``scripts/stack``'s defaults or
+the ``BLOCKAGG_*`` variables), worker ``gwN`` one under ``<stack dir>/gwN`` with every
+port moved by N x ``BLOCKAGG_WORKER_PORT_SHIFT`` (:func:`worker_stack_env`), brought up
+by the first test that needs it and stopped when the worker ends. The tests of one
+module run in one worker, in order; each private stack of the fault suite
+(``fault_stack``, ``cluster_fault_stack``) is a session fixture that one worker starts
+and stops, so its tests are one group too. Two workers never share a stack.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[1]
 TEST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+WORKER_PORT_SHIFT = 500
+"""The default of ``BLOCKAGG_WORKER_PORT_SHIFT``: half-thousands, so that a worker's
+ports never meet the shifts of ``.ci/run`` (the default stack's 0/1000/5000/7000, the
+fault suite's 2000/3000/6000/8000) nor the cluster stack's (4000/9000)."""
 
 os.environ.setdefault("SPARK_SUBMIT_OPTS", TEST_JVM_OPTIONS)
 
 
-def stack_group(fixturenames: list[str], integration: bool) -> str | None:
-    """The stack a test uses, as its xdist group: ``None`` for a test of no stack."""
+def worker_stack_env(env: Mapping[str, str], worker: str | None) -> dict[str, str]:
+    """The variables that give xdist worker ``gwN`` (N >= 1) a default stack of its
+    own: ``BLOCKAGG_STACK_DIR`` = ``<the session's stack dir>/gwN`` and each of
+    ``scripts/stack_lib.PORT_DEFAULTS``' ports N x ``BLOCKAGG_WORKER_PORT_SHIFT`` above
+    the session's; none for ``gw0`` or outside xdist (the session's stack)."""
+    from scripts import stack_lib
+
+    match = re.fullmatch(r"gw(\d+)", worker or "")
+    index = int(match.group(1)) if match else 0
+    if index == 0:
+        return {}
+    shift = index * int(env.get("BLOCKAGG_WORKER_PORT_SHIFT") or WORKER_PORT_SHIFT)
+    root = Path(env.get("BLOCKAGG_STACK_DIR") or REPO / ".stack")
+    moved = {"BLOCKAGG_STACK_DIR": str(root / f"gw{index}")}
+    for var, default in stack_lib.PORT_DEFAULTS.values():
+        moved[var] = str(int(env.get(var) or default) + shift)
+    return moved
+
+
+WORKER_STACK = worker_stack_env(os.environ, os.environ.get("PYTEST_XDIST_WORKER"))
+os.environ.update(WORKER_STACK)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A worker's own default stack stops with the worker (``.ci/run``'s trap stops
+    one a crashed worker left)."""
+    if WORKER_STACK and Path(WORKER_STACK["BLOCKAGG_STACK_DIR"]).is_dir():
+        subprocess.run([str(REPO / "scripts" / "stack"), "down"], capture_output=True,
+                       check=False, timeout=300)
+
+
+def stack_group(nodeid: str, fixturenames: list[str], integration: bool) -> str | None:
+    """A test's xdist group: the private stack it uses, else its module when it uses
+    its worker's default stack (``integration``), else ``None`` (any worker, any order)."""
     if "cluster_fault_stack" in fixturenames:
         return "cluster-stack"
     if "fault_stack" in fixturenames:
         return "fault-stack"
-    return "stack" if integration else None
+    return nodeid.split("::")[0] if integration else None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -43,7 +85,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        group = stack_group(list(getattr(item, "fixturenames", ())),
+        group = stack_group(item.nodeid, list(getattr(item, "fixturenames", ())),
                             item.get_closest_marker("integration") is not None)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
