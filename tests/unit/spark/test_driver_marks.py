@@ -16,20 +16,9 @@ from blockagg.spark.driver import Driver
 from blockagg.spark.exceptions import BatchTimedOut
 from blockagg.spark.offsets import PlannedRange
 from blockagg.spark.watch import Watchdog
+from tests.unit.spark.test_batch_watch import CONFIG as WATCH_CONFIG
 
-CONFIG = """
-[job]
-checkpoint_location = "/tmp/ck"
-batch_timeout = "{timeout}"
-[kafka]
-"bootstrap.servers" = "x:1"
-[[topics]]
-name = "t"
-replicas = ["ch:9000"]
-[[topics]]
-name = "u"
-replicas = ["ch:9000"]
-"""
+CONFIG = WATCH_CONFIG + '[[topics]]\nname = "u"\nreplicas = ["ch:9000"]\n'
 RANGES = {("t", 0): PlannedRange("t", 0, 0, 10), ("t", 1): PlannedRange("t", 1, 5, 9),
           ("u", 0): PlannedRange("u", 0, 3, 3)}
 
