@@ -7,7 +7,7 @@ for the cores; a SparkSession with one small query starts in ~6 s instead of ~8.
 (docs/BENCHMARKS.md, *Test JVMs*). Production jobs keep the JVM's defaults: this file
 configures tests only.
 
-With pytest-xdist (``-n 2 --dist loadgroup``, the README's command) each worker has a
+With pytest-xdist (``-n 2 --dist loadgroup``; CI runs serially, README) each worker has a
 default stack of its own: worker ``gw0`` the session's (``scripts/stack``'s defaults or
 the ``BLOCKAGG_*`` variables), worker ``gwN`` one under ``<stack dir>/gwN`` with every
 port moved by N x ``BLOCKAGG_WORKER_PORT_SHIFT`` (:func:`worker_stack_env`), brought up
