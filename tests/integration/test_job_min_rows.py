@@ -168,10 +168,11 @@ def test_a_trickle_forms_fewer_larger_blocks_within_the_latency_bound(
     print(f"off: blocks={off[0]} median={off[1]} worst={off[2]:.1f}s; "
           f"on: blocks={on[0]} median={on[1]} worst={on[2]:.1f}s")
     assert "sizing: restarting the query" in log, log[-5000:]
-    # blocks near min_rows, and at least twice the unsized run's: on a loaded machine
-    # the unsized run's slow batches form larger blocks by themselves (CI, two workers:
-    # a median 9 rows); the bug of a cold first batch in the hold left a median 8
-    assert on[1] >= MIN_ROWS / 2 and on[1] >= 2 * off[1], (off, on)
+    # blocks near min_rows, and larger than the unsized run's: on a loaded machine the
+    # unsized run's slow batches form larger blocks by themselves (two test workers: a
+    # median 9 and 13 rows, against 20 and 25 sized); a cold first batch counted in the
+    # hold left a median 8
+    assert on[1] >= MIN_ROWS / 2 and on[1] > off[1], (off, on)
     # the bound holds for the held batches; the calibration restart and a loaded
     # machine's slow batch add a few seconds at most, as much as the unsized run's
     assert on[2] <= max(MAX_LATENCY_S, off[2]) + 6, (off, on, log[-3000:])
