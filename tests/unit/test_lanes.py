@@ -10,9 +10,18 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from blockagg.aggregator.core.model import Batch, Block, Thresholds
-from blockagg.aggregator.core.protocol import CommitMetadata, plan_batch, run_batch, steps
+from blockagg.aggregator.core.protocol import (
+    CommitMetadata,
+    InsertBlock,
+    insert_order,
+    plan_batch,
+    run_batch,
+    steps,
+)
 from blockagg.aggregator.kafka.exceptions import AttemptFenced
 from blockagg.aggregator.lanes import ThreadLanes
 from blockagg.exceptions import ConfigError
@@ -209,3 +218,49 @@ def test_a_fenced_attempt_inserts_nothing_with_lanes() -> None:
     with pytest.raises(AttemptFenced, match="no longer this attempt's intent"):
         run_batch(plan, Overtaken(), sink, old, ThreadLanes(3))
     assert sink.inserted == []
+
+
+def forced_flush(tables: int, partition: int) -> tuple[InsertBlock, ...]:
+    """The one seal event of a catch-up batch: a block per table, tables interleaved
+    in the same order in every partition (as one producer writes them)."""
+    messages = [(o, 1 + o % tables, 1) for o in range(tables * 5)]
+    batch = make_batch(messages, 0, len(messages), partition=partition)
+    plan = plan_batch(batch, None, Thresholds(10**6, 10**9), 1, 0)
+    groups = [s for s in steps(plan) if not isinstance(s, CommitMetadata)]
+    assert len(groups) == 1
+    return groups[0]
+
+
+def test_partitions_side_by_side_start_their_lanes_on_different_tables() -> None:
+    # 8 partitions of 100 tables on 4 lanes each: the first inserts every lane takes
+    # are of distinct tables, so tasks running together do not meet on a table's
+    # pending quorum (18.16 takes one quorum insert per table at a time).
+    first = [[op.block.table for op in insert_order(forced_flush(100, p), p)[:4]]
+             for p in range(8)]
+    taken = [table for tables in first for table in tables]
+    assert len(set(taken)) == len(taken) == 32
+    assert [op.block.table for op in insert_order(forced_flush(100, 0), 0)] == [
+        op.block.table for op in forced_flush(100, 0)]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.integers(0, 40), st.integers(0, 10_000))
+def test_insert_order_is_a_rotation_of_the_plans(tables: int, partition: int) -> None:
+    group = forced_flush(tables, 0) if tables else ()
+    ordered = insert_order(group, partition)
+    assert sorted(map(id, ordered)) == sorted(map(id, group))
+    if group:
+        start = group.index(ordered[0])
+        assert ordered == [*group[start:], *group[:start]]
+
+
+def test_run_batch_inserts_in_the_partitions_order() -> None:
+    sink = DedupSink()
+    messages = [(o, 1 + o % 10, 1) for o in range(50)]
+    batch = make_batch(messages, 0, 50, partition=3)
+    plan = plan_batch(batch, None, Thresholds(10**6, 10**9), 1, 0)
+    run_batch(plan, MemoryMetadataStore(), sink)
+    group = next(s for s in steps(plan) if not isinstance(s, CommitMetadata))
+    assert [b.table for b in sink.inserted] == [
+        op.block.table for op in insert_order(group, 3)]
+    assert sink.inserted[0].table != group[0].block.table

@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Final
 
 import numpy as np
 
@@ -557,6 +558,29 @@ def steps(plan: Plan) -> Iterator[CommitMetadata | tuple[InsertBlock, ...]]:
         yield tuple(group)
 
 
+SPREAD: Final = 0.6180339887498949
+"""The golden ratio's fraction: partition ``p`` starts its seal events' inserts at
+fraction ``p * SPREAD mod 1`` of the group, so any few partitions start far apart."""
+
+
+def insert_order(group: Sequence[InsertBlock], partition: int) -> list[InsertBlock]:
+    """One seal event's inserts in the order the lanes take them: the plan's order,
+    rotated to start at a point that depends on the partition.
+
+    Every partition's forced flush holds one block per table, planned in the same
+    order when the producers interleave tables alike. On 18.16, a table takes one
+    quorum insert at a time (``UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE``, retried after
+    a pause); two tasks running side by side would meet on every table. Rotating by
+    partition keeps their lanes on different tables. Safe: a group's blocks are all
+    listed by the intent just committed and belong to distinct tables, so any order
+    keeps each table's blocks in offset order (docs/protocol.md, *Concurrent inserts*).
+    """
+    if len(group) <= 1:
+        return list(group)
+    start = int((partition * SPREAD) % 1.0 * len(group))
+    return [*group[start:], *group[:start]]
+
+
 def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink,
               fence: Fence | None = None, lanes: Lanes = SERIAL) -> BatchReport:
     """Execute the plan's operations in order; any error propagates at once.
@@ -585,7 +609,8 @@ def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink,
             store.commit(step.topic, step.partition, step.offset, step.text)
             commits += 1
             continue
-        lanes.run([insert(operation.block) for operation in step])
+        lanes.run([insert(operation.block)
+                   for operation in insert_order(step, batch.partition)])
         for operation in step:
             block = operation.block
             blocks += 1
