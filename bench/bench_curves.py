@@ -23,7 +23,10 @@ a machine whose load drifts), each on fresh tables:
   ``clickhouse.insert_concurrency = 8`` or 4 Spark task slots on the same cores
   (``bench_e2e``'s ``exactly_once_cN`` and ``exactly_once_sN`` modes), in the same ABBA,
   so a change of setting is compared within one point's drift (docs/BENCHMARKS.md,
-  *The servers' drift*).
+  *The servers' drift*);
+* with ``--variants baseline --baseline-root DIR``, also ``job_baseline``: the job of
+  another checkout (``git archive REV | tar -x -C DIR``) with the same configuration, so
+  a change of code is compared the same way.
 
 Per point (medians of the repeats): rows/s of each, the job's ratio to both limits
 (the job's rows/s over ``bench_e2e``'s processing interval, its first visible row to
@@ -67,8 +70,9 @@ CURVES: Final[dict[str, tuple[str, ...]]] = {
 }
 """Each curve's points, as ``--points`` names them."""
 CONTENDERS: Final = ("job", "same", "large")
-VARIANT: Final = re.compile(r"[cs][1-9][0-9]*")
-"""A ``--variants`` name: ``cN`` (N insert lanes a task) or ``sN`` (N Spark task slots)."""
+VARIANT: Final = re.compile(r"[cs][1-9][0-9]*|baseline")
+"""A ``--variants`` name: ``cN`` (N insert lanes a task), ``sN`` (N Spark task slots) or
+``baseline`` (the job of ``--baseline-root``)."""
 
 
 def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
@@ -76,8 +80,12 @@ def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
     two limits. Refuses a variant ``bench_e2e`` has no mode for."""
     bad = [v for v in variants if not VARIANT.fullmatch(v)]
     if bad:
-        raise CurveError(f"unknown variants {bad}: cN (insert lanes) or sN (task slots)")
+        raise CurveError(f"unknown variants {bad}: cN (insert lanes), sN (task slots) or "
+                         "baseline")
     return ("job", *(f"job_{v}" for v in variants), "same", "large")
+PENDING_QUORUM_LINE: Final = "Quorum for previous write has not been satisfied yet"
+"""How a job's log shows an insert refused because the table's previous quorum insert
+is still pending (18.16, code 286), once per refusal."""
 FLOOR: Final = 0.8
 """A point whose job runs below this fraction of its same-blocks limit must name its wall."""
 WIDTHS: Final = {"narrow": 0, "1KiB": 1024}
@@ -228,13 +236,18 @@ class PointResult:
         job, same, large = (median(self.of(c, "rows_per_s")) for c in CONTENDERS)
         cores_used = median(self.of("job", "cores_used"))
         ratio = job / same if same else 0.0
+        in_batches = median(self.of("job", "batch_rows_per_s"))
         more: dict[str, Any] = {}
         for v in self.variants():
             rate = median(self.of(v, "rows_per_s"))
+            in_its_batches = median(self.of(v, "batch_rows_per_s"))
             more.update({f"{v}_rows_per_s": rate, f"{v}_over_same": rate / same if same else 0.0,
                          f"{v}_over_job": rate / job if job else 0.0,
-                         f"{v}_cores_used": median(self.of(v, "cores_used"))})
-        in_batches = median(self.of("job", "batch_rows_per_s"))
+                         f"{v}_batch_rows_per_s": in_its_batches,
+                         f"{v}_batch_over_job": in_its_batches / in_batches
+                         if in_batches else 0.0,
+                         f"{v}_cores_used": median(self.of(v, "cores_used")),
+                         f"{v}_quorum_waits": median(self.of(v, "quorum_waits"))})
         return {
             "job_rows_per_s": job, "same_rows_per_s": same, "large_rows_per_s": large,
             "job_batch_rows_per_s": in_batches,
@@ -242,6 +255,7 @@ class PointResult:
             "job_over_same": ratio, "job_over_large": job / large if large else 0.0,
             "job_cpu_s_per_mrows": median(self.of("job", "cpu_s_per_mrows")),
             "job_cores_used": cores_used,
+            "job_quorum_waits": median(self.of("job", "quorum_waits")),
             "inserts_per_batch": median(self.of("job", "inserts_per_batch")),
             "rows_per_block": median(self.of("job", "rows_per_block")),
             "metadata_chars": median(self.of("job", "metadata_chars_max")),
@@ -267,7 +281,8 @@ class PointResult:
                 f"{s['parts_per_table']:.1f} active parts/table (max "
                 f"{s['parts_per_table_max']:.0f}); {s['verdict']}" + "".join(
                     f"; {v} {s[f'{v}_rows_per_s']:,.0f} rows/s = {s[f'{v}_over_job']:.2f}x "
-                    f"the job, {s[f'{v}_over_same']:.2f}x same" for v in self.variants()))
+                    f"the job ({s[f'{v}_batch_over_job']:.2f}x over the batches), "
+                    f"{s[f'{v}_over_same']:.2f}x same" for v in self.variants()))
 
 
 def dump(results: Sequence[PointResult], header: dict[str, Any]) -> str:
@@ -321,7 +336,7 @@ class Runner:
             rows=args.rows, tables=point.tables, partitions=point.partitions,
             rows_per_message=point.rows_per_message, seed=args.seed, folder=None,
             quorum=args.quorum, trigger="1s", max_offsets=0, timeout=args.timeout,
-            profile=False, baseline_root=None))
+            profile=False, baseline_root=getattr(args, "baseline_root", None)))
         widen(self.bench.rows, point.string_bytes)
 
     def prepare(self) -> None:
@@ -377,6 +392,7 @@ class Runner:
             "job_cpu_s_per_mrows_whole_run": r.job_cpu_s / r.rows * 1e6 if r.rows else 0.0,
             "server_cpu_s_per_mrows": r.server_cpu_s / r.rows * 1e6 if r.rows else 0.0,
             "cores_used": busy, "batches": len(blocks),
+            "quorum_waits": text.count(PENDING_QUORUM_LINE),
             "inserts_per_batch": median(blocks),
             "rows_per_block": sum(rows) / sum(blocks) if blocks else 0.0,
             **metadata,
@@ -423,6 +439,7 @@ class Runner:
                                       self.args.repeat):
             started = time.monotonic()
             figures = (self.job() if contender == "job" else
+                       self.job("baseline") if contender == "job_baseline" else
                        self.job(f"exactly_once_{contender[len('job_'):]}")
                        if contender.startswith("job_") else
                        self.same(repeat) if contender == "same" else self.large(repeat))
@@ -494,6 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="",
                     help="comma list of job variants run beside it: cN (insert_concurrency "
                     "N), sN (N Spark task slots on --cores CPUs)")
+    ap.add_argument("--baseline-root", type=Path,
+                    help="another checkout whose job the 'baseline' variant runs")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--block-rows", type=int, default=100_000, help="the job's blocks.max_rows")
     ap.add_argument("--large-block-rows", type=int, default=100_000)
@@ -516,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = points(args.curve or list(CURVES),
                       [p for p in args.points.split(",") if p])
         contenders(args.variants)
+        if "baseline" in args.variants and not args.baseline_root:
+            raise CurveError("the baseline variant needs --baseline-root DIR")
     except CurveError as exc:
         ap.error(str(exc))
     command = "python -m bench.bench_curves " + " ".join(

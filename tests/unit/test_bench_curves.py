@@ -226,7 +226,8 @@ def test_the_same_blocks_limit_waits_out_a_pending_quorum() -> None:
 def test_variants_run_between_the_job_and_the_limits() -> None:
     assert contenders() == CONTENDERS
     assert contenders(["c8", "s4"]) == ("job", "job_c8", "job_s4", "same", "large")
-    for bad in ("c0", "x8", "c", "s4 ", "8"):
+    assert contenders(["baseline"]) == ("job", "job_baseline", "same", "large")
+    for bad in ("c0", "x8", "c", "s4 ", "8", "base"):
         with pytest.raises(CurveError, match="unknown variants"):
             contenders([bad])
 
@@ -241,6 +242,7 @@ def test_a_variant_is_summarised_against_the_job_and_the_same_blocks_limit() -> 
     assert result.variants() == ["job_c8"]
     assert s["job_c8_rows_per_s"] == 75.0
     assert s["job_c8_over_job"] == 1.5 and s["job_c8_over_same"] == 0.75
-    assert "job_c8 75 rows/s = 1.50x the job, 0.75x same" in result.line()
+    assert "job_c8 75 rows/s = 1.50x the job (0.00x over the batches), 0.75x same" in (
+        result.line())
     back, _ = load(dump([result], {}))
     assert back[0].summary() == s
