@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from bench.workload import REPO_ROOT, PoolEntry, Rows, create_tables
+from bench.workload import REPO_ROOT, PoolEntry, Rows, create_tables, drop_page_cache
 
 CURVES: Final[dict[str, tuple[str, ...]]] = {
     "tables": ("10", "100", "500", "1000"),
@@ -437,6 +437,9 @@ class Runner:
         result = PointResult(self.point, b.rows.rows, b.rows.encoded_row_bytes, self.args.cores)
         for repeat, contender in abba(contenders(getattr(self.args, "variants", ())),
                                       self.args.repeat):
+            if not getattr(self.args, "keep_page_cache", True) and not drop_page_cache():
+                print("  cannot drop the page cache (not root?): the servers' drift stays "
+                      "in the comparison", file=sys.stderr, flush=True)
             started = time.monotonic()
             figures = (self.job() if contender == "job" else
                        self.job("baseline") if contender == "job_baseline" else
@@ -513,6 +516,9 @@ def main(argv: list[str] | None = None) -> int:
                     "N), sN (N Spark task slots on --cores CPUs)")
     ap.add_argument("--baseline-root", type=Path,
                     help="another checkout whose job the 'baseline' variant runs")
+    ap.add_argument("--keep-page-cache", action="store_true",
+                    help="do not drop the kernel's page cache before each run (by default "
+                    "every run starts from a dropped cache: bench.workload.drop_page_cache)")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--block-rows", type=int, default=100_000, help="the job's blocks.max_rows")
     ap.add_argument("--large-block-rows", type=int, default=100_000)

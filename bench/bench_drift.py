@@ -5,7 +5,8 @@ the environment points at and prints, per run, its rows/s and the CPU seconds ea
 server process (both ClickHouse replicas, the broker) spent in it, and the first
 replica's open ZooKeeper watches after it. ``--sequence same,same,restart,job``:
 ``same`` is the same-blocks limit, ``job`` the job (its run includes creating its
-tables), ``restart`` restarts both replicas (``Servers.restart_replicas``). What it
+tables), ``restart`` restarts both replicas (``Servers.restart_replicas``), ``drop``
+drops the kernel's page cache (``bench.workload.drop_page_cache``). What it
 showed (docs/BENCHMARKS.md, *The servers' drift*): identical runs cost the servers more
 one after another, and the job costs the replica it inserts into ~2.7x what the limit
 does.
@@ -26,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_curves import Point, Runner
-from bench.workload import events_delta, proc_cpu_seconds, server_events
+from bench.workload import drop_page_cache, events_delta, proc_cpu_seconds, server_events
 
-STEPS = ("same", "job", "restart")
+STEPS = ("same", "job", "restart", "drop")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         for n, step in enumerate(steps):
             if step == "restart":
                 print(f"restart {bench.servers.restart_replicas():.1f} s", flush=True)
+                continue
+            if step == "drop":
+                print("drop: page cache " + ("dropped" if drop_page_cache() else
+                                             "NOT dropped (not root?)"), flush=True)
                 continue
             before = {k: proc_cpu_seconds(p) for k, p in bench.servers.pids.items() if p}
             events = [server_events(c) for c in bench.clients]

@@ -158,6 +158,28 @@ def proc_cpu_seconds(pid: int) -> float:
     return sum(int(fields[i]) for i in (11, 12, 13, 14)) / ticks
 
 
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_page_cache(control: Path = DROP_CACHES) -> bool:
+    """Write dirty pages out, then drop the kernel's clean page cache (``echo 1`` to
+    ``drop_caches``; root only). Returns whether it could.
+
+    On the Firecracker VMs these benchmarks run on, the kernel time of creating,
+    writing and deleting files grows with use and falls back once the page cache is
+    dropped: 9,000 small files cost 7.7 CPU-s of system time, 1.1 right after a drop,
+    2.6 in the next round; a ClickHouse insert of a 1,250-row part 5 ms of the server's
+    system time after a drop and 27 ms ten rounds later (docs/BENCHMARKS.md, *What the
+    servers' drift is*). Every part the servers write pays it, so contenders compared
+    in one ABBA each start from a dropped cache, or the later ones pay for the earlier."""
+    os.sync()
+    try:
+        control.write_text("1\n")
+    except OSError:
+        return False
+    return True
+
+
 def server_events(client: Any) -> dict[str, int]:
     """A ClickHouse server's cumulative ``system.events`` (every query's and background
     task's counters since it started): the difference of two snapshots is what the server
