@@ -26,6 +26,9 @@ earlier run can never drop a block and flatter the figures), and drains the topi
 
 over block sizes (``--block-rows``) and cores (``--cores``: ``local[N]`` and the job's
 process tree pinned to N CPUs with ``taskset``; ClickHouse and Kafka are not pinned).
+Every run starts from a dropped page cache (``--keep-page-cache`` keeps it): on the VMs
+these run on, the kernel's cost of the parts' files grows with use, and a later run
+paid for the earlier (docs/BENCHMARKS.md, *What the servers' drift is*).
 
 Figures per run: rows/s and MB/s over the **processing** interval (first row visible
 in ClickHouse -> all rows visible; JVM start-up excluded, reported apart), CPU seconds
@@ -66,6 +69,7 @@ from bench.workload import (
     Rows,
     ch_client,
     create_topic,
+    drop_page_cache,
     produce,
     session_processes,
     stack_addresses,
@@ -599,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-root", type=Path,
                     help="another checkout whose job the 'baseline' mode runs")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--keep-page-cache", action="store_true",
+                    help="do not drop the kernel's page cache before each run (by default "
+                    "every run starts from a dropped cache: bench.workload.drop_page_cache)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--folder")
     ap.add_argument("--profile", action="store_true",
@@ -635,6 +642,9 @@ def main(argv: list[str] | None = None) -> int:
     plan += [(m, c, sizes[0]) for c in cores[1:] for m in modes[:1]]
     results = []
     for mode, c, b in plan:
+        if not args.keep_page_cache and not drop_page_cache():
+            print("cannot drop the page cache (not root?): the servers' drift stays in the "
+                  "comparison", file=sys.stderr, flush=True)
         r = bench.one_run(mode, c, b)
         print(r.line(), file=sys.stderr, flush=True)
         results.append(r)
