@@ -83,9 +83,12 @@ def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
         raise CurveError(f"unknown variants {bad}: cN (insert lanes), sN (task slots) or "
                          "baseline")
     return ("job", *(f"job_{v}" for v in variants), "same", "large")
+
+
 PENDING_QUORUM_LINE: Final = "Quorum for previous write has not been satisfied yet"
 """How a job's log shows an insert refused because the table's previous quorum insert
 is still pending (18.16, code 286), once per refusal."""
+
 FLOOR: Final = 0.8
 """A point whose job runs below this fraction of its same-blocks limit must name its wall."""
 WIDTHS: Final = {"narrow": 0, "1KiB": 1024}
