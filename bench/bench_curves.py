@@ -328,6 +328,19 @@ def widen(rows: Rows, string_bytes: int) -> Rows:
 # ------------------------------------------------------------------- the shell
 
 
+def slot_figures(events: Path, slots: int) -> dict[str, float]:
+    """The split of the job run's task slots over its largest Spark job (the batch's
+    tasks), from Spark's event log in ``events`` (``bench.spark_tasks``); empty when
+    there is none."""
+    from bench.spark_tasks import read_jobs
+
+    jobs = [j for path in sorted(events.rglob("*")) if path.is_file()
+            and not path.name.startswith(".") for j in read_jobs(path)]
+    if not jobs:
+        return {}
+    return max(jobs, key=lambda j: len(j.tasks)).slot_split(slots)
+
+
 class Runner:
     """Runs one point against the stack: produce once, then the ABBA plan."""
 
@@ -339,7 +352,8 @@ class Runner:
             rows=args.rows, tables=point.tables, partitions=point.partitions,
             rows_per_message=point.rows_per_message, seed=args.seed, folder=None,
             quorum=args.quorum, trigger="1s", max_offsets=0, timeout=args.timeout,
-            profile=False, baseline_root=getattr(args, "baseline_root", None)))
+            profile=False, baseline_root=getattr(args, "baseline_root", None),
+            spark_event_log=True))
         widen(self.bench.rows, point.string_bytes)
 
     def prepare(self) -> None:
@@ -362,7 +376,7 @@ class Runner:
         counts = [int(n) for _, n in rows]
         return (sum(counts) / len(counts) if counts else 0.0), max(counts, default=0)
 
-    def commit_metadata(self, group: str) -> list[str]:
+    def commit_metadata(self, group: str, topic: str) -> list[str]:
         """The metadata of every commit of ``group`` on the point's topic, intents and
         final commits, read back from ``__consumer_offsets`` (the verifier's reader):
         the committed offset alone keeps only the last, final commit, which lists no
@@ -370,19 +384,26 @@ class Runner:
         from blockagg.verifier.history import HistoryReader
         from blockagg.verifier.rules import Commit
 
-        with HistoryReader(self.bench.bootstrap, [group], [self.bench.topic]) as reader:
+        with HistoryReader(self.bench.bootstrap, [group], [topic]) as reader:
             return [e.metadata for e in reader.events() if isinstance(e, Commit)]
 
     def job(self, mode: str = "exactly_once") -> dict[str, Any]:
+        from bench.bench_e2e import task_slots
+
         b = self.bench
         cores = self.args.cores
-        r = b.one_run(mode, cores, self.args.block_rows)
+        warm_rows = getattr(self.args, "warm_rows", 0)
+        r = (b.warm_run(mode, cores, self.args.block_rows, warm_rows,
+                        not getattr(self.args, "keep_page_cache", True)) if warm_rows
+             else b.one_run(mode, cores, self.args.block_rows))
         tag = f"{mode}-{cores}-{self.args.block_rows}-{b.generation}"
         log = b.folder / f"{tag}.log"
-        text = log.read_text(errors="replace") if log.exists() else ""
+        text = (log.read_bytes()[r.log_offset:].decode(errors="replace") if log.exists()
+                else "")
         blocks, rows = batch_figures(text)
         in_batches = batch_seconds(text)
-        metadata = metadata_figures(self.commit_metadata(f"e2e-{b.run_id}-{tag}"))
+        topic = f"{b.topic}-w{b.generation}" if warm_rows else b.topic
+        metadata = metadata_figures(self.commit_metadata(f"e2e-{b.run_id}-{tag}", topic))
         mean, most = self.parts("t%")
         # Dropped now, as the limits drop theirs after their runs: left to the next job
         # run's set-up, their deletion came after that run's page-cache drop, and only
@@ -404,6 +425,7 @@ class Runner:
             "rows_per_block": sum(rows) / sum(blocks) if blocks else 0.0,
             **metadata,
             "parts_per_table_mean": mean, "parts_per_table_max": most, "log": str(log),
+            "slots": slot_figures(log.with_suffix(".events"), task_slots(mode, cores)),
         }
 
     def same(self, repeat: int) -> dict[str, Any]:
@@ -523,6 +545,10 @@ def main(argv: list[str] | None = None) -> int:
                     "N), sN (N Spark task slots on --cores CPUs)")
     ap.add_argument("--baseline-root", type=Path,
                     help="another checkout whose job the 'baseline' variant runs")
+    ap.add_argument("--warm-rows", type=int, default=0,
+                    help="measure the job warm: each job run first works off this many "
+                         "rows of its own (not measured), then gets the point's rows in "
+                         "one Kafka transaction (bench_e2e.Bench.warm_run)")
     ap.add_argument("--keep-page-cache", action="store_true",
                     help="do not drop the kernel's page cache before each run (by default "
                     "every run starts from a dropped cache: bench.workload.drop_page_cache)")

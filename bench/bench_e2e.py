@@ -99,6 +99,9 @@ class RunResult:
     row_bytes: float
     exit_code: int
     processing_cpu_s: float = 0.0
+    log_offset: int = 0
+    """Where the measured batches' lines start in the run's log (after a warm run's
+    warm-up batch, :meth:`Bench.warm_run`)."""
 
     @property
     def rows_per_s(self) -> float:
@@ -296,12 +299,21 @@ port = 0
                   log: Path) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         root = self.args.baseline_root if mode == "baseline" else REPO_ROOT
+        events = ""
+        if getattr(self.args, "spark_event_log", False):
+            folder = log.with_suffix(".events")
+            folder.mkdir(exist_ok=True)
+            events = (f"--conf spark.eventLog.enabled=true "
+                      f"--conf spark.eventLog.dir=file://{folder} "
+                      "--conf spark.eventLog.compress=false "
+                      "--conf spark.eventLog.rolling.enabled=false ")
         env.update({
             "PYTHONPATH": str(root), "BLOCKAGG_LOG_FORMAT": "text",
             "PYSPARK_SUBMIT_ARGS": (f"--master local[{task_slots(mode, cores)}] --driver-memory 2g "
                                     f"--jars {self.jars} --conf spark.ui.enabled=false "
                                     "--conf spark.driver.host=127.0.0.1 "
-                                    "--conf spark.driver.bindAddress=127.0.0.1 pyspark-shell"),
+                                    "--conf spark.driver.bindAddress=127.0.0.1 "
+                                    f"{events}pyspark-shell"),
         })
         if mode == "at_least_once":
             env["BLOCKAGG_COMPONENTS"] = "bench.e2e_components:at_least_once"
@@ -369,6 +381,80 @@ port = 0
         return RunResult(mode, cores, block_rows, n, start - t0, done - start, cpu, s1 - s0,
                          rss, self.rows.encoded_row_bytes, code,
                          cpu_at_done - cpu_at_first if first is not None else 0.0)
+
+    def warm_run(self, mode: str, cores: int, block_rows: int, warm_rows: int,
+                 drop_cache: bool = True) -> RunResult:
+        """:meth:`one_run`'s measurement on a job that has already run a batch: the
+        job's JVM compiled, its Python workers started, its connections open, as a
+        job streaming for a while has them. Each run gets a topic of its own: first
+        ``warm_rows`` rows of another seed (the warm-up batch, not measured), then,
+        once they are all visible, the measured rows in one Kafka transaction, which the
+        job (``read_committed``) sees whole at its commit: one catch-up batch of the
+        same blocks as :meth:`one_run`'s. Measured from that commit, the page cache
+        dropped just before the measured rows are produced (``drop_cache``); the job is
+        stopped (SIGTERM) once every row is visible."""
+        from bench.workload import drop_page_cache, produce
+
+        self.fresh_tables()
+        tag = f"{mode}-{cores}-{block_rows}-{self.generation}"
+        topic = f"{self.topic}-w{self.generation}"
+        create_topic(self.bootstrap, topic, self.args.partitions)
+        warm = Rows(warm_rows, self.args.tables, self.args.rows_per_message,
+                    self.args.partitions, self.args.seed + 1000, self.database)
+        produce(self.bootstrap, topic, warm.envelopes())
+        saved, self.topic = self.topic, topic
+        config, _ = self.config(block_rows, tag, mode)
+        self.topic = saved
+        log = self.folder / f"{tag}.log"
+        proc = self.start_job(config, mode, cores, False, log)
+        sampler = TreeSampler(proc.pid)
+        deadline = time.monotonic() + self.args.timeout
+        while self.count() < warm.rows:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                raise RuntimeError(f"{tag}: the warm-up batch did not land; log {log}")
+            time.sleep(0.25)
+        time.sleep(2)  # the warm-up batch's final commits, after its last insert
+        log_offset = log.stat().st_size
+        if drop_cache:
+            drop_page_cache()
+        produce(self.bootstrap, topic, self.rows.envelopes(),
+                transactional_id=f"bench-{self.run_id}-{self.generation}")
+        s0 = self.servers.cpu()
+        t0 = time.perf_counter()
+        cpu_at_start = sampler.total()
+        first = None
+        cpu_at_first = 0.0
+        n = 0
+        total = warm.rows + self.rows.rows
+        while n < self.rows.rows and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.25)
+            n = self.count() - warm.rows
+            if n and first is None:
+                first = time.perf_counter()
+                cpu_at_first = sampler.total()
+        done = time.perf_counter()
+        cpu_at_done = sampler.total()
+        s1 = self.servers.cpu()
+        if proc.poll() is None:
+            time.sleep(2)  # the measured batch's final commits
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait(30)
+        sampler.finish()
+        if n != self.rows.rows:
+            print(f"{tag}: {n + warm.rows} of {total} rows (exit {code}); log {log}",
+                  file=sys.stderr)
+        start = first if first is not None else done
+        return RunResult(mode, cores, block_rows, n, start - t0, done - start,
+                         cpu_at_done - cpu_at_start, s1 - s0, 0.0,
+                         self.rows.encoded_row_bytes, code,
+                         cpu_at_done - cpu_at_first if first is not None else 0.0,
+                         log_offset)
 
     def latency(self, block_rows: int, mode: str = "exactly_once") -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""
@@ -608,6 +694,9 @@ def main(argv: list[str] | None = None) -> int:
                     "every run starts from a dropped cache: bench.workload.drop_page_cache)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--folder")
+    ap.add_argument("--spark-event-log", action="store_true",
+                    help="each job run writes Spark's event log beside its log "
+                         "(`python -m bench.spark_tasks` splits its slots' time)")
     ap.add_argument("--profile", action="store_true",
                     help="run the first exactly-once run under py-spy and print where the "
                     "Python time goes (self time by function)")

@@ -44,6 +44,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     "read_uncommitted": {"kafka.isolation.level": "read_uncommitted"},
     "fetch_wait_10ms": {"kafka.fetch.max.wait.ms": "10"},
     "fresh_consumer": {},
+    "partition_fetch_16m": {"kafka.fetch.max.wait.ms": "10",
+                            "kafka.max.partition.fetch.bytes": str(16 << 20)},
+    "no_crc_check": {"kafka.fetch.max.wait.ms": "10", "kafka.check.crcs": "false"},
 }
 """Reader options per variant, over :data:`JOB_OPTIONS` (and the bootstrap servers, the
 offsets and, but for ``fresh_consumer``, the fixed group)."""

@@ -221,14 +221,24 @@ def peak_rss_mib() -> float:
 
 
 def produce(bootstrap: str, topic: str, messages: Iterator[tuple[int, bytes]],
-            timeout: float = 600) -> tuple[int, int, float]:
-    """Produce and wait for every delivery; returns (messages, bytes, seconds)."""
+            timeout: float = 600, transactional_id: str = "") -> tuple[int, int, float]:
+    """Produce and wait for every delivery; returns (messages, bytes, seconds). With a
+    ``transactional_id``, every message is in one transaction, committed at the end: a
+    ``read_committed`` reader (the job) sees none of them until then, and all of them
+    in the first batch it plans after it."""
     from confluent_kafka import Producer
 
-    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True,
-                         "acks": "all", "linger.ms": 50, "batch.size": 1 << 20,
-                         "compression.type": "lz4", "queue.buffering.max.messages": 2_000_000,
-                         "queue.buffering.max.kbytes": 1 << 21})
+    settings: dict[str, Any] = {
+        "bootstrap.servers": bootstrap, "enable.idempotence": True, "acks": "all",
+        "linger.ms": 50, "batch.size": 1 << 20, "compression.type": "lz4",
+        "queue.buffering.max.messages": 2_000_000, "queue.buffering.max.kbytes": 1 << 21}
+    if transactional_id:
+        settings.update({"transactional.id": transactional_id,
+                         "transaction.timeout.ms": int(timeout * 1000)})
+    producer = Producer(settings)
+    if transactional_id:
+        producer.init_transactions(60)
+        producer.begin_transaction()
     failures: list[str] = []
 
     def done(err: Any, msg: Any) -> None:
@@ -251,6 +261,8 @@ def produce(bootstrap: str, topic: str, messages: Iterator[tuple[int, bytes]],
     left = producer.flush(timeout)
     if left or failures:
         raise RuntimeError(f"produce to {topic}: {left} undelivered, failures {failures[:3]}")
+    if transactional_id:
+        producer.commit_transaction(60)
     return n, size, time.perf_counter() - started
 
 
