@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -70,9 +71,9 @@ CURVES: Final[dict[str, tuple[str, ...]]] = {
 }
 """Each curve's points, as ``--points`` names them."""
 CONTENDERS: Final = ("job", "same", "large")
-VARIANT: Final = re.compile(r"[cs][1-9][0-9]*|baseline")
-"""A ``--variants`` name: ``cN`` (N insert lanes a task), ``sN`` (N Spark task slots) or
-``baseline`` (the job of ``--baseline-root``)."""
+VARIANT: Final = re.compile(r"s[1-9][0-9]*(?:c[1-9][0-9]*)?|c[1-9][0-9]*|baseline")
+"""A ``--variants`` name: ``cN`` (N insert lanes a task), ``sN`` (N Spark task slots),
+both (``s4c2``) or ``baseline`` (the job of ``--baseline-root``)."""
 
 
 def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
@@ -169,18 +170,31 @@ def median(xs: Iterable[float]) -> float:
 
 
 def verdict(ratio: float, job_cores_used: float, cores: int,
-            floor: float = FLOOR) -> str:
+            floor: float = FLOOR, servers_cores_used: float | None = None,
+            machine_cores: int = 0, python_share: float | None = None) -> str:
     """``ok`` at or above ``floor`` x the same-blocks limit; below it, the wall the
-    figures show: the job's processes busy on (nearly) every core it has is its own
-    CPU; otherwise it waits (on Spark's scheduling or the servers), with the cores it
-    used as the figure."""
+    figures show, first that holds: the job's processes busy on (nearly) every core it
+    has (its own CPU); the job and the servers together busy on (nearly) every core of
+    the machine (the machine's CPU, when they share it); otherwise waiting, with where
+    the task slots' time went: the job's Python functions (decoding, inserts, commits)
+    or Spark around them (the Kafka read in the JVM, the hand-over, scheduling)."""
     if ratio >= floor:
         return f"ok ({ratio:.2f}x >= {floor}x)"
+    below = f"BELOW {floor}x ({ratio:.2f}x)"
     if job_cores_used >= 0.85 * cores:
-        return (f"BELOW {floor}x ({ratio:.2f}x): wall = the job's own CPU "
+        return (f"{below}: wall = the job's own CPU "
                 f"({job_cores_used:.2f} of {cores} cores busy while processing)")
-    return (f"BELOW {floor}x ({ratio:.2f}x): wall = waiting, not CPU "
-            f"(job used {job_cores_used:.2f} of {cores} cores while processing)")
+    if (servers_cores_used is not None and machine_cores
+            and job_cores_used + servers_cores_used >= 0.85 * machine_cores):
+        return (f"{below}: wall = the machine's CPU (job {job_cores_used:.2f} + servers "
+                f"{servers_cores_used:.2f} of {machine_cores} cores while processing)")
+    slots = ("" if python_share is None else
+             f"; task slots {python_share:.0%} in the job's Python, "
+             f"{1 - python_share:.0%} in Spark around it")
+    servers = ("" if servers_cores_used is None else
+               f", servers {servers_cores_used:.2f}")
+    return (f"{below}: wall = waiting, not CPU (job used {job_cores_used:.2f} of {cores} "
+            f"cores while processing{servers}{slots})")
 
 
 BATCH_LINE: Final = re.compile(r"blockagg\.job: batch kind=\S+ batch=(\d+) ([^\n]*)")
@@ -192,6 +206,17 @@ def batch_seconds(log_text: str) -> float:
     the JVM's start-up not)."""
     return sum(float(dict(re.findall(r"(\w+)=([0-9.]+)(?:\s|$)", m.group(2))).get("seconds", 0))
                for m in BATCH_LINE.finditer(log_text))
+
+
+def python_share(log_text: str, slots: int) -> float | None:
+    """The share of the batches' task-slot seconds (``spark_seconds`` x slots) that the
+    job's Python functions took (``task_seconds``); None without a batch line."""
+    task = spark = 0.0
+    for m in BATCH_LINE.finditer(log_text):
+        fields = dict(re.findall(r"(\w+)=([0-9.]+)(?:\s|$)", m.group(2)))
+        task += float(fields.get("task_seconds", 0))
+        spark += float(fields.get("spark_seconds", 0))
+    return task / (spark * slots) if spark else None
 
 
 def batch_figures(log_text: str) -> tuple[list[int], list[int]]:
@@ -225,10 +250,17 @@ class PointResult:
     row_bytes: float
     cores: int
     runs: list[dict[str, Any]] = field(default_factory=list)
+    machine_cores: int = 0
+    """The CPUs of the machine the job and the servers shared (0: not recorded)."""
 
     def of(self, contender: str, key: str) -> list[float]:
-        return [float(r[key]) for r in self.runs
-                if r["contender"] == contender and key in r and r.get("complete", True)]
+        return [float(r[key]) for r in self.runs if r["contender"] == contender
+                and r.get(key) is not None and r.get("complete", True)]
+
+    def median_of(self, contender: str, key: str) -> float | None:
+        """The median of ``key`` over the contender's runs; None where no run has it."""
+        values = self.of(contender, key)
+        return median(values) if values else None
 
     def variants(self) -> list[str]:
         """The job's variants among the runs (``job_c8``), first run first."""
@@ -265,7 +297,10 @@ class PointResult:
             "metadata_bytes": median(self.of("job", "metadata_bytes_max")),
             "parts_per_table": median(self.of("job", "parts_per_table_mean")),
             "parts_per_table_max": median(self.of("job", "parts_per_table_max")),
-            "verdict": verdict(ratio, cores_used, self.cores),
+            "verdict": verdict(ratio, cores_used, self.cores,
+                               servers_cores_used=self.median_of("job", "servers_cores_used"),
+                               machine_cores=self.machine_cores,
+                               python_share=self.median_of("job", "python_share")),
             **more,
         }
 
@@ -292,14 +327,16 @@ def dump(results: Sequence[PointResult], header: dict[str, Any]) -> str:
     """The JSON of a run: its header (command, options), each point's runs and medians."""
     return json.dumps({"header": header, "points": [
         {"point": asdict(r.point), "rows": r.rows, "row_bytes": r.row_bytes,
-         "cores": r.cores, "runs": r.runs, "summary": r.summary()} for r in results]},
+         "cores": r.cores, "machine_cores": r.machine_cores, "runs": r.runs,
+         "summary": r.summary()} for r in results]},
         indent=1)
 
 
 def load(text: str) -> tuple[list[PointResult], dict[str, Any]]:
     """Inverse of :func:`dump` (the summaries are recomputed from the runs)."""
     data = json.loads(text)
-    return [PointResult(Point(**p["point"]), p["rows"], p["row_bytes"], p["cores"], p["runs"])
+    return [PointResult(Point(**p["point"]), p["rows"], p["row_bytes"], p["cores"], p["runs"],
+                        p.get("machine_cores", 0))
             for p in data["points"]], data.get("header", {})
 
 
@@ -329,16 +366,16 @@ def widen(rows: Rows, string_bytes: int) -> Rows:
 
 
 def slot_figures(events: Path, slots: int) -> dict[str, float]:
-    """The split of the job run's task slots over its largest Spark job (the batch's
-    tasks), from Spark's event log in ``events`` (``bench.spark_tasks``); empty when
-    there is none."""
+    """The split of the job run's task slots over the Spark job that read the most
+    records (the measured batch's tasks), from Spark's event log in ``events``
+    (``bench.spark_tasks``); empty when there is none."""
     from bench.spark_tasks import read_jobs
 
     jobs = [j for path in sorted(events.rglob("*")) if path.is_file()
             and not path.name.startswith(".") for j in read_jobs(path)]
     if not jobs:
         return {}
-    return max(jobs, key=lambda j: len(j.tasks)).slot_split(slots)
+    return max(jobs, key=lambda j: sum(t.records for t in j.tasks)).slot_split(slots)
 
 
 class Runner:
@@ -410,6 +447,7 @@ class Runner:
         # a job run that followed a job run paid it (docs/BENCHMARKS.md).
         self.drop("t%")
         busy = r.processing_cpu_s / r.seconds if r.seconds else 0.0
+        slots = task_slots(mode, cores)
         return {
             "rows_per_s": r.rows_per_s, "seconds": r.seconds, "startup_s": r.startup_s,
             "batch_seconds": in_batches,
@@ -420,12 +458,15 @@ class Runner:
             "job_cpu_s_per_mrows_whole_run": r.job_cpu_s / r.rows * 1e6 if r.rows else 0.0,
             "server_cpu_s_per_mrows": r.server_cpu_s / r.rows * 1e6 if r.rows else 0.0,
             "cores_used": busy, "batches": len(blocks),
+            "servers_cores_used": (r.processing_server_cpu_s / r.seconds
+                                   if r.seconds else 0.0),
+            "python_share": python_share(text, slots),
             "quorum_waits": text.count(PENDING_QUORUM_LINE),
             "inserts_per_batch": median(blocks),
             "rows_per_block": sum(rows) / sum(blocks) if blocks else 0.0,
             **metadata,
             "parts_per_table_mean": mean, "parts_per_table_max": most, "log": str(log),
-            "slots": slot_figures(log.with_suffix(".events"), task_slots(mode, cores)),
+            "slots": slot_figures(log.with_suffix(".events"), slots),
         }
 
     def same(self, repeat: int) -> dict[str, Any]:
@@ -463,7 +504,8 @@ class Runner:
     def run(self) -> PointResult:
         self.prepare()
         b = self.bench
-        result = PointResult(self.point, b.rows.rows, b.rows.encoded_row_bytes, self.args.cores)
+        result = PointResult(self.point, b.rows.rows, b.rows.encoded_row_bytes, self.args.cores,
+                             machine_cores=os.cpu_count() or 0)
         for repeat, contender in abba(contenders(getattr(self.args, "variants", ())),
                                       self.args.repeat):
             if not getattr(self.args, "keep_page_cache", True) and not drop_page_cache():

@@ -20,7 +20,8 @@ earlier run can never drop a block and flatter the figures), and drains the topi
 * ``exactly_once_cN``: the job as shipped with ``clickhouse.insert_concurrency = N``;
 * ``exactly_once_sN``: the job as shipped with N Spark task slots (``local[N]``) on the
   same ``--cores`` CPUs: more partition tasks at once than cores, for tasks that mostly
-  wait on the servers;
+  wait on the servers; ``exactly_once_sNcM``: both (``s4c2``: 4 slots of 2 lanes, the
+  same 8 inserts in flight as 2 slots of 4);
 * ``baseline``: the job of another checkout (``--baseline-root``, e.g. ``git archive
   main``), run with the same configuration: a whole earlier version side by side;
 
@@ -78,11 +79,23 @@ from blockagg.proto.envelope import make_envelope
 from blockagg.rows.deadletters import dead_letter_ddl
 from tests.faults.workload import COORDINATES, ROW_MESSAGE, row_descriptor_set, varint
 
+VARIANT_MODE: Final = re.compile(r"exactly_once_(?:s(?P<slots>[1-9][0-9]*))?"
+                                 r"(?:c(?P<lanes>[1-9][0-9]*))?")
+"""``exactly_once_sN``, ``exactly_once_cM`` or both (``exactly_once_s4c2``)."""
+
+
+def variant(mode: str) -> tuple[int | None, int | None]:
+    """(task slots, insert lanes a task) a mode sets; None where it keeps the job's."""
+    m = VARIANT_MODE.fullmatch(mode)
+    if m is None:
+        return None, None
+    slots, lanes = m["slots"], m["lanes"]
+    return (int(slots) if slots else None), (int(lanes) if lanes else None)
+
 
 def task_slots(mode: str, cores: int) -> int:
     """Spark task slots of a run: N for an ``…_sN`` mode, else one per core."""
-    tail = mode.rsplit("_s", 1)[-1] if "_s" in mode else ""
-    return int(tail) if tail.isdigit() else cores
+    return variant(mode)[0] or cores
 
 
 @dataclass
@@ -102,6 +115,8 @@ class RunResult:
     log_offset: int = 0
     """Where the measured batches' lines start in the run's log (after a warm run's
     warm-up batch, :meth:`Bench.warm_run`)."""
+    processing_server_cpu_s: float = 0.0
+    """The servers' CPU over the processing interval (first row visible to all)."""
 
     @property
     def rows_per_s(self) -> float:
@@ -251,8 +266,9 @@ class Bench:
         handover = "rows" if mode == "exactly_once_rows" else "arrow"
         serial = ('insert_concurrency = 1\nping_after_idle = "0s"'
                   if mode == "exactly_once_serial" else "")
-        if mode.startswith("exactly_once_c") and mode[len("exactly_once_c"):].isdigit():
-            serial = f"insert_concurrency = {mode[len('exactly_once_c'):]}"
+        lanes = variant(mode)[1]
+        if lanes is not None:
+            serial = f"insert_concurrency = {lanes}"
         path = self.folder / f"{tag}.toml"
         replicas = ", ".join(f'"127.0.0.1:{p}"' for p in self.ports)
         path.write_text(f"""
@@ -352,7 +368,7 @@ port = 0
         proc = self.start_job(config, mode, cores, True, log)
         sampler = TreeSampler(proc.pid)
         first = None
-        cpu_at_first = 0.0
+        cpu_at_first = servers_at_first = 0.0
         n = 0
         deadline = time.monotonic() + self.args.timeout
         while n < self.rows.rows and time.monotonic() < deadline:
@@ -361,6 +377,7 @@ port = 0
             if n and first is None:
                 first = time.perf_counter()
                 cpu_at_first = sampler.total()
+                servers_at_first = self.servers.cpu()
             if proc.poll() is not None and n < self.rows.rows:
                 time.sleep(1)
                 n = self.count()
@@ -380,7 +397,8 @@ port = 0
         start = first if first is not None else done
         return RunResult(mode, cores, block_rows, n, start - t0, done - start, cpu, s1 - s0,
                          rss, self.rows.encoded_row_bytes, code,
-                         cpu_at_done - cpu_at_first if first is not None else 0.0)
+                         cpu_at_done - cpu_at_first if first is not None else 0.0, 0,
+                         s1 - servers_at_first if first is not None else 0.0)
 
     def warm_run(self, mode: str, cores: int, block_rows: int, warm_rows: int,
                  drop_cache: bool = True) -> RunResult:
@@ -425,7 +443,7 @@ port = 0
         t0 = time.perf_counter()
         cpu_at_start = sampler.total()
         first = None
-        cpu_at_first = 0.0
+        cpu_at_first = servers_at_first = 0.0
         n = 0
         total = warm.rows + self.rows.rows
         while n < self.rows.rows and time.monotonic() < deadline and proc.poll() is None:
@@ -434,6 +452,7 @@ port = 0
             if n and first is None:
                 first = time.perf_counter()
                 cpu_at_first = sampler.total()
+                servers_at_first = self.servers.cpu()
         done = time.perf_counter()
         cpu_at_done = sampler.total()
         s1 = self.servers.cpu()
@@ -454,7 +473,7 @@ port = 0
                          cpu_at_done - cpu_at_start, s1 - s0, 0.0,
                          self.rows.encoded_row_bytes, code,
                          cpu_at_done - cpu_at_first if first is not None else 0.0,
-                         log_offset)
+                         log_offset, s1 - servers_at_first if first is not None else 0.0)
 
     def latency(self, block_rows: int, mode: str = "exactly_once") -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""

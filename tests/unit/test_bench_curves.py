@@ -26,6 +26,7 @@ from bench.bench_curves import (
     median,
     metadata_figures,
     points,
+    python_share,
     verdict,
     widen,
 )
@@ -115,6 +116,22 @@ def test_verdict_at_below_and_at_the_floor() -> None:
     wait = verdict(0.79, 0.6, 2)
     assert wait.startswith("BELOW 0.8x (0.79x)") and "waiting, not CPU" in wait
     assert "0.60 of 2 cores" in wait
+
+
+def test_verdict_names_the_machine_or_the_slots() -> None:
+    shared = verdict(0.7, 0.9, 2, servers_cores_used=0.9, machine_cores=2)
+    assert "the machine's CPU (job 0.90 + servers 0.90 of 2 cores" in shared
+    apart = verdict(0.7, 0.9, 2, servers_cores_used=0.9, machine_cores=8,
+                    python_share=0.6)
+    assert "waiting, not CPU" in apart and ", servers 0.90" in apart
+    assert "task slots 60% in the job's Python, 40% in Spark around it" in apart
+
+
+def test_python_share_is_the_tasks_part_of_the_slots() -> None:
+    line = ("01:02:03 INFO    blockagg.job: batch kind=\"stream\" batch=1 run=\"f6\" "
+            "seconds=5.0 task_seconds=6.0 spark_seconds=5.0\n")
+    assert python_share(line * 2, 2) == pytest.approx(0.6)
+    assert python_share("", 2) is None
 
 
 LOG = """\
@@ -226,8 +243,9 @@ def test_the_same_blocks_limit_waits_out_a_pending_quorum() -> None:
 def test_variants_run_between_the_job_and_the_limits() -> None:
     assert contenders() == CONTENDERS
     assert contenders(["c8", "s4"]) == ("job", "job_c8", "job_s4", "same", "large")
+    assert contenders(["s4c2"]) == ("job", "job_s4c2", "same", "large")
     assert contenders(["baseline"]) == ("job", "job_baseline", "same", "large")
-    for bad in ("c0", "x8", "c", "s4 ", "8", "base"):
+    for bad in ("c0", "x8", "c", "s4 ", "8", "base", "c2s4", "s4c0"):
         with pytest.raises(CurveError, match="unknown variants"):
             contenders([bad])
 
