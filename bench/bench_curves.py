@@ -19,9 +19,15 @@ a machine whose load drifts), each on fresh tables:
   ``--same-blocks-lanes`` at a time, with the job's quorum (``bench_limits``);
 * ``large``: **the raw insert of large blocks**, the same rows in blocks of
   ``--large-block-rows`` (``bench_limits``'s raw insert);
+* with ``--warm-rows N``, the job (and its variants) measured **warm**: each run first
+  works off N rows of its own, then gets the point's rows in one Kafka transaction, which
+  it reads whole as one catch-up batch (``bench_e2e.Bench.warm_run``): a streaming job's
+  JVM has compiled its code and its Python workers are up, which a fresh job's first
+  batch pays for (C1/C2 compiler threads, worker start-up: docs/BENCHMARKS.md);
 * with ``--variants c8,s4``, also ``job_c8``, ``job_s4``: the job with
   ``clickhouse.insert_concurrency = 8`` or 4 Spark task slots on the same cores
-  (``bench_e2e``'s ``exactly_once_cN`` and ``exactly_once_sN`` modes), in the same ABBA,
+  (``bench_e2e``'s ``exactly_once_cN`` and ``exactly_once_sN`` modes; ``s4c2`` both),
+  in the same ABBA,
   so a change of setting is compared within one point's drift (docs/BENCHMARKS.md,
   *The servers' drift*);
 * with ``--variants baseline --baseline-root DIR``, also ``job_baseline``: the job of
@@ -38,8 +44,11 @@ used there, inserts per batch and rows per block (the job's ``batch`` log lines)
 metadata of each partition's commit (characters, as the broker counts them against
 ``offset.metadata.max.bytes``, and UTF-8 bytes; from the group's committed offsets),
 active parts per table right after the run (``system.parts`` on the first replica,
-before background merges catch up). The verdict: a point whose job runs below 0.8x its
-same-blocks limit names the figure of its wall (:func:`verdict`).
+before background merges catch up), and the split of the job's task slots (Spark's event
+log, ``bench.spark_tasks``; the batch lines' ``task_seconds`` against ``spark_seconds``).
+The verdict: a point whose job runs below 0.8x its same-blocks limit names the figure of
+its wall (:func:`verdict`): the job's CPU, the machine's CPU that the job and the servers
+share, or where the task slots' time went.
 
 ``--json`` keeps every run and the medians; ``--plot`` draws ``docs/bench_curves.png``
 (four panels: rows/s of the three contenders, and the job's ratio to its same-blocks

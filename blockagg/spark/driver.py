@@ -129,7 +129,7 @@ BATCH_LINE_SECONDS: Final = (
     "plan_seconds", "checks_seconds", "ends_seconds", "mark_seconds", "spark_seconds",
     "build_seconds",
     "start_seconds", "last_start_seconds", "submit_seconds", "launch_seconds",
-    "read_seconds")
+    "read_seconds", "prepare_seconds")
 """The :class:`BatchSummary` timings on the batch line, in its order (docs/running.md)."""
 
 
@@ -186,6 +186,10 @@ class BatchSummary:
     read_seconds: float = 0.0
     """The slowest task's wait for its rows before the protocol ran: the Kafka fetch in
     the JVM and the rows' handover to Python (``read_seconds`` of the reports)."""
+    prepare_seconds: float = 0.0
+    """Of ``task_seconds``, summed over the tasks: building each partition's batch
+    (envelopes, registry, decoding, dead letters) and planning its blocks, before its
+    first commit; the rest of a task is its commits and inserts."""
     task_starts: list[float] = field(default_factory=list)
     """Each task's start (epoch seconds, the report's ``entered``)."""
     warnings: list[str] = field(default_factory=list)
@@ -213,6 +217,7 @@ class BatchSummary:
         self.max_task_seconds = max(self.max_task_seconds, float(rep["seconds"]))
         self.task_seconds += float(rep["seconds"])
         self.read_seconds = max(self.read_seconds, float(rep.get("read_seconds", 0.0)))
+        self.prepare_seconds += float(rep.get("prepare_seconds", 0.0))
         if rep.get("entered") is not None:
             self.task_starts.append(float(rep["entered"]))
         self.fresh_workers += int(bool(rep.get("fresh_worker", False)))

@@ -431,6 +431,7 @@ def _run_attempt(
     store = _MeasuredStore(attempt or ctx.components.store(config))
     sink = _MeasuredSink(ctx.components.sink(config, topic_config))
     committed = store.committed(tp[0], tp[1])
+    preparing = time.time()
     batch = prepare_partition(
         rng, offsets, values, timestamps_ms, committed, registry,
         pins_now=lambda parsed, stamps: current_pins(
@@ -441,8 +442,10 @@ def _run_attempt(
         missing_blocks=config.job.dead_letter_missing_blocks,
         partition_end=ctx.partition_ends.get(tp))
     plan = plan_partition(ctx, topic_config, registry, batch, committed, attempt)
+    prepared = time.time() - preparing
     report = run_batch(plan, store, sink, attempt, insert_lanes(config))
-    return task_report(tp, batch, report, store, sink, config.dead_letters.table, started)
+    return {**task_report(tp, batch, report, store, sink, config.dead_letters.table,
+                          started), "prepare_seconds": prepared}
 
 
 def worker_plans(config: Config, topic: TopicConfig, registry: Any) -> Plans:

@@ -334,7 +334,8 @@ def test_the_batch_line_splits_the_batch_into_its_driver_phases(
         summary.add({"messages": 1, "rows": 1, "bytes": 1, "blocks": 1,
                      "replayed_blocks": 0, "dead_letters": {}, "skipped": False,
                      "commits": 1, "seconds": 0.02, "partition": 0, "topic": "t",
-                     "entered": 5.0, "read_seconds": 0.03, "fresh_worker": True})
+                     "entered": 5.0, "read_seconds": 0.03, "fresh_worker": True,
+                     "prepare_seconds": 0.01})
         return summary
 
     d.partitions.add(("t", 0))
@@ -350,9 +351,9 @@ def test_the_batch_line_splits_the_batch_into_its_driver_phases(
     [fields] = [getattr(r, logs._FIELDS_ATTR) for r in caplog.records
                 if r.getMessage() == "batch"]
     assert {k: fields[k] for k in ("plan_seconds", "spark_seconds", "ends_seconds",
-                                   "read_seconds")} == {
+                                   "read_seconds", "prepare_seconds")} == {
         "plan_seconds": round(summary.plan_seconds, 3), "spark_seconds": 0.05,
-        "ends_seconds": 0.01, "read_seconds": 0.03}
+        "ends_seconds": 0.01, "read_seconds": 0.03, "prepare_seconds": 0.01}
     assert {"checks_seconds", "build_seconds", "start_seconds", "last_start_seconds",
             "submit_seconds", "launch_seconds", "fresh_workers"} <= set(fields)
 

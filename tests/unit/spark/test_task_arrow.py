@@ -30,7 +30,7 @@ SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()),
 """The columns Spark's Kafka source hands to ``mapInArrow`` (``ROW_COLUMNS``)."""
 
 TIMING = ("seconds", "insert_seconds", "commit_seconds", "entered", "read_seconds",
-          "fresh_worker")
+          "fresh_worker", "prepare_seconds")
 
 
 def records(offsets: Sequence[int], values: Sequence[bytes | None], partition: int = 0,
@@ -155,6 +155,7 @@ def test_the_wait_for_rows_is_read_seconds_apart_from_the_protocols_seconds(
         assert before <= report["entered"] <= time.time()
         assert 0.2 <= report["read_seconds"] < 0.2 + 1.0
         assert report["seconds"] < 0.2
+        assert 0.0 < report["prepare_seconds"] <= report["seconds"]
     # the worker's first task is the one that imported the job's code
     assert [r["fresh_worker"] for r in reports] == [True, False]
 
