@@ -25,6 +25,7 @@ from bench.bench_curves import (
     load,
     median,
     metadata_figures,
+    on_curve,
     points,
     python_share,
     verdict,
@@ -264,3 +265,16 @@ def test_a_variant_is_summarised_against_the_job_and_the_same_blocks_limit() -> 
         result.line())
     back, _ = load(dump([result], {}))
     assert back[0].summary() == s
+
+
+def test_the_centre_point_is_on_every_curve_and_own_points_stay() -> None:
+    centre = PointResult(Point("tables", "100"), 1000, 67.5, 2)
+    own = PointResult(Point("tables", "33", tables=33), 1000, 67.5, 2)
+    wide = PointResult(Point("row_width", "1KiB", string_bytes=1024), 1000, 1100.0, 2)
+    two = PointResult(Point("partitions", "2", partitions=2), 1000, 67.5, 2)
+    results = [centre, own, wide, two]
+    assert [r.point.label for r in on_curve(results, "tables")] == ["33", "100"]
+    assert [(r.point.curve, r.point.label) for r in on_curve(results, "partitions")] == [
+        ("partitions", "2"), ("partitions", "8")]
+    assert [r.point.label for r in on_curve(results, "row_width")] == ["narrow", "1KiB"]
+    assert [r.point.label for r in on_curve(results, "rows_per_message")] == ["10"]
