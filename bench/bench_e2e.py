@@ -58,6 +58,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -96,6 +97,19 @@ def variant(mode: str) -> tuple[int | None, int | None]:
 def task_slots(mode: str, cores: int) -> int:
     """Spark task slots of a run: N for an ``…_sN`` mode, else one per core."""
     return variant(mode)[0] or cores
+
+
+@dataclass(frozen=True)
+class Watched:
+    """What :meth:`Bench.watch` saw of a run: the rows visible at the end, when the
+    first became visible (``perf_counter``; the end when none did), the processing
+    interval's seconds and the job's CPU over it, and the servers' CPU at its start."""
+
+    rows: int
+    start: float
+    seconds: float
+    job_cpu_s: float
+    servers_at_first: float
 
 
 @dataclass
@@ -367,23 +381,7 @@ port = 0
         t0 = time.perf_counter()
         proc = self.start_job(config, mode, cores, True, log)
         sampler = TreeSampler(proc.pid)
-        first = None
-        cpu_at_first = servers_at_first = 0.0
-        n = 0
-        deadline = time.monotonic() + self.args.timeout
-        while n < self.rows.rows and time.monotonic() < deadline:
-            time.sleep(0.25)
-            n = self.count()
-            if n and first is None:
-                first = time.perf_counter()
-                cpu_at_first = sampler.total()
-                servers_at_first = self.servers.cpu()
-            if proc.poll() is not None and n < self.rows.rows:
-                time.sleep(1)
-                n = self.count()
-                break
-        done = time.perf_counter()
-        cpu_at_done = sampler.total()
+        w = self.watch(proc, sampler, self.count, time.monotonic() + self.args.timeout)
         s1 = self.servers.cpu()
         try:
             code = proc.wait(timeout=120)
@@ -391,14 +389,37 @@ port = 0
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait(30)
         cpu, rss = sampler.finish()
-        if n != self.rows.rows:
-            print(f"{tag}: {n} of {self.rows.rows} rows (exit {proc.returncode}); log {log}",
-                  file=sys.stderr)
-        start = first if first is not None else done
-        return RunResult(mode, cores, block_rows, n, start - t0, done - start, cpu, s1 - s0,
-                         rss, self.rows.encoded_row_bytes, code,
-                         cpu_at_done - cpu_at_first if first is not None else 0.0, 0,
-                         s1 - servers_at_first if first is not None else 0.0)
+        if w.rows != self.rows.rows:
+            print(f"{tag}: {w.rows} of {self.rows.rows} rows (exit {proc.returncode}); "
+                  f"log {log}", file=sys.stderr)
+        return RunResult(mode, cores, block_rows, w.rows, w.start - t0, w.seconds, cpu,
+                         s1 - s0, rss, self.rows.encoded_row_bytes, code, w.job_cpu_s, 0,
+                         s1 - w.servers_at_first)
+
+    def watch(self, proc: subprocess.Popen[bytes], sampler: TreeSampler,
+              count: Callable[[], int], deadline: float) -> Watched:
+        """Poll ``count()`` (the run's rows visible) every 0.25 s until it reaches the
+        run's rows, the deadline passes or the job exits (then once more, a second
+        later); the processing interval runs from the first visible row to the last."""
+        first = None
+        cpu_at_first = servers_at_first = 0.0
+        n = 0
+        while n < self.rows.rows and time.monotonic() < deadline:
+            time.sleep(0.25)
+            n = count()
+            if n and first is None:
+                first = time.perf_counter()
+                cpu_at_first = sampler.total()
+                servers_at_first = self.servers.cpu()
+            if proc.poll() is not None and n < self.rows.rows:
+                time.sleep(1)
+                n = count()
+                break
+        done = time.perf_counter()
+        if first is None:
+            return Watched(n, done, 0.0, 0.0, self.servers.cpu())
+        return Watched(n, first, done - first, sampler.total() - cpu_at_first,
+                       servers_at_first)
 
     def warm_run(self, mode: str, cores: int, block_rows: int, warm_rows: int,
                  drop_cache: bool = True) -> RunResult:
@@ -442,18 +463,7 @@ port = 0
         s0 = self.servers.cpu()
         t0 = time.perf_counter()
         cpu_at_start = sampler.total()
-        first = None
-        cpu_at_first = servers_at_first = 0.0
-        n = 0
-        total = warm.rows + self.rows.rows
-        while n < self.rows.rows and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.25)
-            n = self.count() - warm.rows
-            if n and first is None:
-                first = time.perf_counter()
-                cpu_at_first = sampler.total()
-                servers_at_first = self.servers.cpu()
-        done = time.perf_counter()
+        w = self.watch(proc, sampler, lambda: self.count() - warm.rows, deadline)
         cpu_at_done = sampler.total()
         s1 = self.servers.cpu()
         if proc.poll() is None:
@@ -465,15 +475,13 @@ port = 0
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait(30)
         sampler.finish()
-        if n != self.rows.rows:
-            print(f"{tag}: {n + warm.rows} of {total} rows (exit {code}); log {log}",
-                  file=sys.stderr)
-        start = first if first is not None else done
-        return RunResult(mode, cores, block_rows, n, start - t0, done - start,
+        if w.rows != self.rows.rows:
+            print(f"{tag}: {w.rows} of {self.rows.rows} measured rows (exit {code}); "
+                  f"log {log}", file=sys.stderr)
+        return RunResult(mode, cores, block_rows, w.rows, w.start - t0, w.seconds,
                          cpu_at_done - cpu_at_start, s1 - s0, 0.0,
-                         self.rows.encoded_row_bytes, code,
-                         cpu_at_done - cpu_at_first if first is not None else 0.0,
-                         log_offset, s1 - servers_at_first if first is not None else 0.0)
+                         self.rows.encoded_row_bytes, code, w.job_cpu_s, log_offset,
+                         s1 - w.servers_at_first)
 
     def latency(self, block_rows: int, mode: str = "exactly_once") -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""

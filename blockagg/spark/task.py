@@ -444,8 +444,8 @@ def _run_attempt(
     plan = plan_partition(ctx, topic_config, registry, batch, committed, attempt)
     prepared = time.time() - preparing
     report = run_batch(plan, store, sink, attempt, insert_lanes(config))
-    return {**task_report(tp, batch, report, store, sink, config.dead_letters.table,
-                          started), "prepare_seconds": prepared}
+    return task_report(tp, batch, report, store, sink, config.dead_letters.table, started,
+                       prepared)
 
 
 def worker_plans(config: Config, topic: TopicConfig, registry: Any) -> Plans:
@@ -484,9 +484,11 @@ def plan_partition(ctx: TaskContext, topic: TopicConfig, registry: Any, batch: B
 
 
 def task_report(tp: TopicPartition, batch: Batch, report: BatchReport, store: _MeasuredStore,
-                sink: _MeasuredSink, dead_letter_table: str, started: float) -> dict[str, Any]:
+                sink: _MeasuredSink, dead_letter_table: str, started: float,
+                prepare_seconds: float) -> dict[str, Any]:
     """The report dict the driver aggregates: the run's figures, each table's consumed
-    rows and bytes, the dead letters by reason, the commits' and inserts' timings."""
+    rows and bytes, the dead letters by reason, the commits' and inserts' timings, and
+    the time it took to prepare the batch and plan its blocks (``prepare_seconds``)."""
     consumed: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     dead_letters: dict[str, int] = defaultdict(int)
     ids, owner = np.unique(batch.table_ids, return_inverse=True)
@@ -525,6 +527,7 @@ def task_report(tp: TopicPartition, batch: Batch, report: BatchReport, store: _M
         "dead_letters": dict(dead_letters),
         "clickhouse_errors": dict(sink.errors),
         "seconds": time.time() - started,
+        "prepare_seconds": prepare_seconds,
         "attempt": spark_attempt(),
     }
 
