@@ -40,6 +40,9 @@ TOPIC = "bench_task"
 
 STAGES: tuple[tuple[str, str, str, str], ...] = (
     ("prepare", "blockagg.spark.task", "", "prepare_partition"),
+    ("prepare.envelopes", "blockagg.rows.partition", "", "parse_envelopes"),
+    ("prepare.decide", "blockagg.rows.prepare", "", "decide_envelopes_many"),
+    ("prepare.gather", "blockagg.proto.decode", "", "_gather_ranges"),
     ("insert", "blockagg.aggregator.clickhouse.writer", "ClickHouseBlockWriter", "insert"),
     ("insert.block_data", "blockagg.aggregator.clickhouse.writer", "ClickHouseBlockWriter",
      "block_data"),
@@ -108,6 +111,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     database = f"bench_task_{uuid.uuid4().hex[:8]}"
     # One partition of the workload: its messages go to the tables round-robin.
     rows = Rows(args.rows, args.tables, args.rows_per_message, 1, args.seed, database)
+    if args.string_bytes:
+        from bench.bench_curves import widen
+
+        rows = widen(rows, args.string_bytes)
     admin = [ch_client(host, int(p)) for p in ports]
     names = [f"t{i:03d}" for i in range(args.tables)]
     for c in admin:
@@ -267,7 +274,8 @@ def run_child(code: Path, args: argparse.Namespace, extra: Sequence[str] = ()
            "--rows", str(args.rows), "--tables", str(args.tables),
            "--rows-per-message",
            str(args.rows_per_message), "--block-rows", str(args.block_rows),
-           "--seed", str(args.seed), *(["--stages"] if getattr(args, "stages", False) else [])]
+           "--seed", str(args.seed), "--string-bytes", str(args.string_bytes),
+           *(["--stages"] if getattr(args, "stages", False) else [])]
     env = {**os.environ, "PYTHONPATH": str(code)}
     out = subprocess.run(cmd, env=env, cwd=code, check=True, capture_output=True, text=True)
     last = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
@@ -281,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows-per-message", type=int, default=10)
     ap.add_argument("--block-rows", type=int, default=100_000, help="[blocks] max_rows")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--string-bytes", type=int, default=0,
+                    help="each row's name a string of this many bytes (bench_curves' "
+                         "row_width point: 1024)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="a checkout to compare with (ABBA)")
     ap.add_argument("--profile", type=Path, help="py-spy one run of this checkout into FILE")
@@ -300,10 +311,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     load = os.getloadavg()
     print(f"# rows={args.rows:,} in one partition, tables={args.tables} "
-          f"rows/message={args.rows_per_message} max_rows={args.block_rows:,}; load average "
+          f"rows/message={args.rows_per_message} max_rows={args.block_rows:,} "
+          f"string_bytes={args.string_bytes}; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start")
     if args.profile:
-        result = run_child(REPO, args, ["py-spy", "record", "--gil", "-r", "200", "-f", "raw", "-o",
+        result = run_child(REPO, args, ["py-spy", "record", "-r", "200", "-f", "raw", "-o",
                                         str(args.profile), "--"])
         print(json.dumps(result))
         print("\n".join(top_functions(args.profile, 30)))
