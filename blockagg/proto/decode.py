@@ -470,7 +470,7 @@ def _gather_ranges(buf: U8, starts: I64, lengths: I64) -> tuple[U8, I64]:
     if total >= _LONG_RANGE_BYTES * s.size:
         # Long ranges (1 KiB strings, say): one copy per range beats the vectorised
         # paths below, which touch a mask byte or an index word per byte gathered.
-        view = memoryview(buf)
+        view = memoryview(buf.data)
         joined = b"".join([view[a:a + k] for a, k in zip(s.tolist(), n.tolist(), strict=True)])
         return np.frombuffer(joined, dtype=np.uint8), offsets
     e = s + n
