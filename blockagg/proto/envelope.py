@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, overload
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 import pyarrow.compute as pc
 from google.protobuf.message import DecodeError
 
@@ -87,6 +88,80 @@ def parse_envelope(value: bytes | bytearray | memoryview | None) -> Parsed | Rej
         return decode_envelope(value)
     except EnvelopeDecodeError as exc:
         return Rejected(str(exc), table=exc.table)
+
+
+@dataclass(frozen=True, eq=False)
+class JoinedValues(Sequence[bytes | None]):
+    """Many Kafka message values laid end to end in one buffer, as Spark's Arrow
+    hand-over delivers a partition's: value ``i`` is ``buf[ends[i-1]:ends[i]]`` (from
+    0 for the first), or ``None`` where :attr:`null` (a tombstone, 0 bytes long).
+    :attr:`buf` ends with :data:`~proto.decode.PAD` zero bytes, so
+    :func:`parse_envelopes` decodes it where it lies; the per-message paths (dead
+    letters, a replay without the registry) see a ``Sequence[bytes | None]``, each
+    value copied out only when asked for."""
+
+    buf: npt.NDArray[np.uint8]
+    ends: npt.NDArray[np.int64]
+    null: npt.NDArray[np.bool_]
+
+    @classmethod
+    def from_arrow(cls, chunks: Sequence[pa.Array]) -> JoinedValues:
+        """The values of binary Arrow arrays ``chunks``, in order, copied once into
+        one padded buffer (a null's bytes, if its producer left any, are dropped)."""
+        parts: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]] = []
+        nulls: list[npt.NDArray[np.bool_]] = []
+        for chunk in chunks:
+            if chunk.null_count:
+                nulls.append(chunk.is_null().to_numpy(zero_copy_only=False))
+                chunk = chunk.fill_null(b"")
+            else:
+                nulls.append(np.zeros(len(chunk), dtype=np.bool_))
+            _, offsets_buf, data_buf = chunk.buffers()
+            offsets = np.frombuffer(offsets_buf, dtype=np.int32)[
+                chunk.offset:chunk.offset + len(chunk) + 1].astype(np.int64)
+            data = (np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
+                    else np.zeros(0, dtype=np.uint8))
+            parts.append((data[int(offsets[0]):int(offsets[-1])], offsets - offsets[0]))
+        total = sum(data.size for data, _ in parts)
+        buf = np.empty(total + PAD, dtype=np.uint8)
+        buf[total:] = 0
+        ends: list[npt.NDArray[np.int64]] = []
+        at = 0
+        for data, offsets in parts:
+            buf[at:at + data.size] = data
+            ends.append(offsets[1:] + at)
+            at += data.size
+        return cls(buf, np.concatenate(ends) if ends else np.zeros(0, dtype=np.int64),
+                   np.concatenate(nulls) if nulls else np.zeros(0, dtype=np.bool_))
+
+    @property
+    def lengths(self) -> npt.NDArray[np.int64]:
+        """Each value's length in bytes (0 for ``None``)."""
+        return np.diff(self.ends, prepend=0)
+
+    def __len__(self) -> int:
+        return int(self.ends.size)
+
+    @overload
+    def __getitem__(self, i: int) -> bytes | None: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes | None]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | list[bytes | None] | None:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        if self.null[i]:
+            return None
+        start = int(self.ends[i - 1]) if i else 0
+        return self.buf[start:int(self.ends[i])].tobytes()
+
+    def __iter__(self) -> Iterator[bytes | None]:
+        return (self[i] for i in range(len(self)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -179,10 +254,13 @@ def parse_envelopes(values: Sequence[bytes | None]) -> Envelopes:
 
     n = len(values)
     descriptor: Any = Envelope.DESCRIPTOR
-    present = [b"" if v is None else v for v in values]
-    lengths = np.fromiter(map(len, present), dtype=np.int64, count=n)
-    ends = np.cumsum(lengths)
-    joined = np.frombuffer(b"".join([*present, bytes(PAD)]), dtype=np.uint8)
+    if isinstance(values, JoinedValues):
+        lengths, ends, joined = values.lengths, values.ends, values.buf
+    else:
+        present = [b"" if v is None else v for v in values]
+        lengths = np.fromiter(map(len, present), dtype=np.int64, count=n)
+        ends = np.cumsum(lengths)
+        joined = np.frombuffer(b"".join([*present, bytes(PAD)]), dtype=np.uint8)
     # decode_rows' layout; the rows stay where they are in it (Spans), not copied.
     decoded = decode_ranges(descriptor, joined, ends - lengths, ends,
                             spans=frozenset({"rows"}))

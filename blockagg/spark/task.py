@@ -64,6 +64,7 @@ from blockagg.aggregator.core.protocol import (
 from blockagg.config import Config, TopicConfig
 from blockagg.proto.envelope import (
     Envelopes,
+    JoinedValues,
     Parsed,
     Rejected,
 )
@@ -555,7 +556,7 @@ class Records:
 
     tp: TopicPartition
     offsets: list[int]
-    values: list[bytes | None]
+    values: Sequence[bytes | None]
     timestamps_ms: list[int]
 
 
@@ -581,11 +582,13 @@ def records_from_rows(rows: Iterable[Any]) -> Records | None:
 
 def records_from_arrow(batches: Iterable[pa.RecordBatch]) -> Records | None:
     """The records of ``mapInArrow`` record batches with the same columns; the same
-    refusals. Timestamps are Kafka's milliseconds, which Spark keeps as microseconds:
-    the division is exact."""
+    refusals. The values stay in Arrow's layout, copied once into one buffer
+    (:class:`~proto.envelope.JoinedValues`), not into a Python object each.
+    Timestamps are Kafka's milliseconds, which Spark keeps as microseconds: the
+    division is exact."""
     current: TopicPartition | None = None
     offsets: list[int] = []
-    values: list[bytes | None] = []
+    values: list[pa.Array] = []
     stamps: list[int] = []
     for batch in batches:
         if batch.num_rows == 0:
@@ -602,10 +605,11 @@ def records_from_arrow(batches: Iterable[pa.RecordBatch]) -> Records | None:
         if wrong.size:
             raise _out_of_order(current, int(before[wrong[0]]), int(after[wrong[0]]))
         offsets.extend(batch_offsets.tolist())
-        values.extend(batch.column("value").to_pylist())
+        values.append(batch.column("value"))
         micros = pc.cast(batch.column("timestamp"), pa.int64()).fill_null(0)
         stamps.extend((micros.to_numpy() // 1000).tolist())
-    return None if current is None else Records(current, offsets, values, stamps)
+    return (None if current is None
+            else Records(current, offsets, JoinedValues.from_arrow(values), stamps))
 
 
 def run_partition(ctx: TaskContext, rows: Iterable[Any]) -> Iterator[dict[str, Any]]:

@@ -4,12 +4,14 @@ import itertools
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockagg.proto.blockagg.v1.envelope_pb2 import Envelope
-from blockagg.proto.decode import decode_ranges, padded_buffer
+from blockagg.proto.decode import PAD, decode_ranges, padded_buffer
 from blockagg.proto.envelope import (
+    JoinedValues,
     Parsed,
     Rejected,
     make_envelope,
@@ -121,3 +123,40 @@ def test_an_envelope_upb_must_decide_parses_alike() -> None:
     values = [make_envelope("db.u", [b"\x08\x02", b""], 1), odd, None]
     assert parse_envelope(odd) == Parsed("db.t", 2, [b"\x08\x01"])
     assert list(parse_envelopes(values)) == [parse_envelope(v) for v in values]
+
+
+@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.one_of(ENVELOPE_PARTS, st.none()), max_size=12), st.data())
+def test_joined_values_are_the_values_and_parse_alike(values: list[bytes | None],
+                                                      data: st.DataObject) -> None:
+    """The values of Arrow chunks (cut anywhere, some of them slices of a larger
+    array) joined in one buffer are the values, one by one and as slices, and their
+    envelopes parse exactly as the list's do."""
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(values)), max_size=3)))
+    bounds = [0, *cuts, len(values)]
+    chunks = []
+    for lo, hi in itertools.pairwise(bounds):
+        whole = pa.array([b"pre", *values[lo:hi], b"post"], type=pa.binary())
+        chunks.append(whole.slice(1, hi - lo) if data.draw(st.booleans())
+                      else pa.array(values[lo:hi], type=pa.binary()))
+    joined = JoinedValues.from_arrow(chunks)
+    assert len(joined) == len(values)
+    assert list(joined) == values
+    assert [joined[i] for i in range(-len(values), 0)] == values
+    assert joined[1:5] == values[1:5]
+    assert not joined.buf[joined.buf.size - PAD:].any()
+    assert list(parse_envelopes(joined)) == list(parse_envelopes(values))
+    assert parse_envelopes(joined).sizes.tolist() == parse_envelopes(values).sizes.tolist()
+
+
+def test_a_null_value_whose_producer_left_bytes_is_none() -> None:
+    """Arrow does not say a null's bytes are empty: a null that spans bytes is still
+    ``None``, and its bytes are not another value's."""
+    data = b"abcXYZdef"
+    offsets = np.array([0, 3, 6, 9], dtype=np.int32)
+    validity = pa.array([True, False, True]).buffers()[1]
+    chunk = pa.Array.from_buffers(pa.binary(), 3, [validity, pa.py_buffer(offsets.tobytes()),
+                                                   pa.py_buffer(data)], null_count=1)
+    joined = JoinedValues.from_arrow([chunk, pa.array([b"g"], type=pa.binary())])
+    assert list(joined) == [b"abc", None, b"def", b"g"]
+    assert joined.lengths.tolist() == [3, 0, 3, 1]
