@@ -400,7 +400,7 @@ class Runner:
             rows_per_message=point.rows_per_message, seed=args.seed, folder=None,
             quorum=args.quorum, trigger="1s", max_offsets=0, timeout=args.timeout,
             profile=False, baseline_root=getattr(args, "baseline_root", None),
-            spark_event_log=True))
+            spark_event_log=True, jfr=getattr(args, "jfr", False)))
         widen(self.bench.rows, point.string_bytes)
 
     def prepare(self) -> None:
@@ -477,6 +477,7 @@ class Runner:
             **metadata,
             "parts_per_table_mean": mean, "parts_per_table_max": most, "log": str(log),
             "slots": slot_figures(log.with_suffix(".events"), slots),
+            **({"jvm": r.jvm} if r.jvm is not None else {}),
         }
 
     def same(self, repeat: int) -> dict[str, Any]:
@@ -617,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
                     "N), sN (N Spark task slots on --cores CPUs)")
     ap.add_argument("--baseline-root", type=Path,
                     help="another checkout whose job the 'baseline' variant runs")
+    ap.add_argument("--jfr", action="store_true",
+                    help="warm job runs record Java Flight Recorder samples; each run's "
+                         "JSON gets their split over its measured interval (bench.jvm_samples)")
     ap.add_argument("--warm-rows", type=int, default=0,
                     help="measure the job warm: each job run first works off this many "
                          "rows of its own (not measured), then gets the point's rows in "

@@ -131,6 +131,9 @@ class RunResult:
     warm-up batch, :meth:`Bench.warm_run`)."""
     processing_server_cpu_s: float = 0.0
     """The servers' CPU over the processing interval (first row visible to all)."""
+    jvm: dict[str, Any] | None = None
+    """With ``--jfr``, a warm run's JVM samples over its measured interval
+    (:func:`bench.jvm_samples.summarize`)."""
 
     @property
     def rows_per_s(self) -> float:
@@ -337,6 +340,9 @@ port = 0
                       f"--conf spark.eventLog.dir=file://{folder} "
                       "--conf spark.eventLog.compress=false "
                       "--conf spark.eventLog.rolling.enabled=false ")
+        if getattr(self.args, "jfr", False):
+            events += ("--driver-java-options -XX:StartFlightRecording="
+                       f"filename={log.with_suffix('.jfr')},settings=profile,dumponexit=true ")
         env.update({
             "PYTHONPATH": str(root), "BLOCKAGG_LOG_FORMAT": "text",
             "PYSPARK_SUBMIT_ARGS": (f"--master local[{task_slots(mode, cores)}] --driver-memory 2g "
@@ -462,9 +468,11 @@ port = 0
                 transactional_id=f"bench-{self.run_id}-{self.generation}")
         s0 = self.servers.cpu()
         t0 = time.perf_counter()
+        epoch_from = time.time()
         cpu_at_start = sampler.total()
         w = self.watch(proc, sampler, lambda: self.count() - warm.rows, deadline)
         cpu_at_done = sampler.total()
+        epoch_to = time.time()
         s1 = self.servers.cpu()
         if proc.poll() is None:
             time.sleep(2)  # the measured batch's final commits
@@ -478,10 +486,15 @@ port = 0
         if w.rows != self.rows.rows:
             print(f"{tag}: {w.rows} of {self.rows.rows} measured rows (exit {code}); "
                   f"log {log}", file=sys.stderr)
+        jvm = None
+        if getattr(self.args, "jfr", False) and log.with_suffix(".jfr").exists():
+            from bench.jvm_samples import read_samples, summarize
+
+            jvm = summarize(read_samples(log.with_suffix(".jfr")), epoch_from, epoch_to)
         return RunResult(mode, cores, block_rows, w.rows, w.start - t0, w.seconds,
                          cpu_at_done - cpu_at_start, s1 - s0, 0.0,
                          self.rows.encoded_row_bytes, code, w.job_cpu_s, log_offset,
-                         s1 - w.servers_at_first)
+                         s1 - w.servers_at_first, jvm)
 
     def latency(self, block_rows: int, mode: str = "exactly_once") -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""
@@ -724,6 +737,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spark-event-log", action="store_true",
                     help="each job run writes Spark's event log beside its log "
                          "(`python -m bench.spark_tasks` splits its slots' time)")
+    ap.add_argument("--jfr", action="store_true",
+                    help="each job run records Java Flight Recorder samples beside its log "
+                         "(`python -m bench.jvm_samples` splits them)")
     ap.add_argument("--profile", action="store_true",
                     help="run the first exactly-once run under py-spy and print where the "
                     "Python time goes (self time by function)")
