@@ -241,6 +241,19 @@ def check_speculation(spark: Any) -> None:
                                                                    "false"))})
 
 
+def last_progress(query: Any) -> dict[str, Any] | None:
+    """The query's last progress as a dict, from the JVM's own JSON: one Py4J call.
+    PySpark 4's ``StreamingQuery.lastProgress`` builds its object field by field (a
+    Py4J call each, some of them class lookups through every jar): 68 ms of wall and
+    17 ms of the driver's CPU a call against 0.8 ms (docs/BENCHMARKS.md, "The JVM's
+    share of a warm batch"), and the driver asks twice a second."""
+    jsq = getattr(query, "_jsq", None)
+    if jsq is None:  # not PySpark's query object
+        return _progress_dict(query.lastProgress)
+    progress = jsq.lastProgress()
+    return None if progress is None else _progress_dict(progress)
+
+
 def _progress_dict(progress: Any) -> dict[str, Any] | None:
     if progress is None:
         return None
@@ -890,7 +903,7 @@ class Driver:
 
     def _update_lag(self) -> bool:
         """Lag gauges from the last progress; True when every partition is caught up."""
-        progress = _progress_dict(self.query.lastProgress) if self.query else None
+        progress = last_progress(self.query) if self.query else None
         if not progress or not progress.get("sources"):
             return False
         source = progress["sources"][0]

@@ -151,20 +151,26 @@ def plan_ranges(
 
 
 class OffsetLog:
-    """Reads a streaming query's offset log through Hadoop's FileSystem (driver only)."""
+    """Reads a streaming query's offset log through Hadoop's FileSystem (driver only).
+
+    The Java classes it uses are looked up once: Py4J resolves a dotted name such as
+    ``jvm.org.apache.hadoop.fs.Path`` one segment at a time, each a round trip in which
+    the JVM first tries the segment as a class, through every jar on Spark's class
+    path (docs/BENCHMARKS.md, "The JVM's share of a warm batch")."""
 
     def __init__(self, spark: Any, checkpoint: str) -> None:
         jvm = spark.sparkContext._jvm
-        self._jvm = jvm
+        self._path_class = jvm.org.apache.hadoop.fs.Path
+        self._io_utils = jvm.org.apache.commons.io.IOUtils
         self._conf = spark.sparkContext._jsc.hadoopConfiguration()
-        self._root = jvm.org.apache.hadoop.fs.Path(checkpoint)
+        self._root = self._path_class(checkpoint)
         self._fs = self._root.getFileSystem(self._conf)
         self.checkpoint = checkpoint
 
     def _path(self, *parts: str) -> Any:
         path = self._root
         for part in parts:
-            path = self._jvm.org.apache.hadoop.fs.Path(path, part)
+            path = self._path_class(path, part)
         return path
 
     def _read(self, *parts: str) -> str | None:
@@ -173,7 +179,7 @@ class OffsetLog:
             return None
         stream = self._fs.open(path)
         try:
-            text: str = self._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8")
+            text: str = self._io_utils.toString(stream, "UTF-8")
         finally:
             stream.close()
         return text
