@@ -478,6 +478,9 @@ class Runner:
             "parts_per_table_mean": mean, "parts_per_table_max": most, "log": str(log),
             "slots": slot_figures(log.with_suffix(".events"), slots),
             **({"jvm": r.jvm} if r.jvm is not None else {}),
+            **({"job_cpu_s_per_mrows_by_process": {
+                k: v / r.rows * 1e6 for k, v in r.job_cpu_by_kind.items()}}
+               if r.job_cpu_by_kind and r.rows else {}),
         }
 
     def same(self, repeat: int) -> dict[str, Any]:

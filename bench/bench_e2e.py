@@ -131,6 +131,8 @@ class RunResult:
     warm-up batch, :meth:`Bench.warm_run`)."""
     processing_server_cpu_s: float = 0.0
     """The servers' CPU over the processing interval (first row visible to all)."""
+    job_cpu_by_kind: dict[str, float] | None = None
+    """A warm run's ``job_cpu_s`` split by process (:meth:`TreeSampler.by_kind`)."""
     jvm: dict[str, Any] | None = None
     """With ``--jfr``, a warm run's JVM samples over its measured interval
     (:func:`bench.jvm_samples.summarize`)."""
@@ -161,6 +163,7 @@ class TreeSampler:
     def __init__(self, sid: int) -> None:
         self.sid = sid
         self.cpu: dict[int, float] = {}
+        self.kinds: dict[int, str] = {}
         self.peak_rss = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
@@ -182,6 +185,29 @@ class TreeSampler:
         """CPU seconds of the session so far (a fresh sample)."""
         self.sample()
         return sum(self.cpu.values())
+
+    def by_kind(self) -> dict[str, float]:
+        """:meth:`total` split into the JVM (Spark's driver and, in local mode, its
+        executor), the Python workers (``pyspark.daemon`` and the workers it forks,
+        the tasks' Python) and the rest (the job's driver process)."""
+        self.sample()
+        out = dict.fromkeys(("jvm", "python_workers", "driver"), 0.0)
+        for pid, cpu in self.cpu.items():
+            out[self._kind(pid)] += cpu
+        return out
+
+    def _kind(self, pid: int) -> str:
+        kind = self.kinds.get(pid)
+        if kind is None:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                cmdline = []
+            kind = ("jvm" if cmdline and cmdline[0].endswith(b"java") else
+                    "python_workers" if b"pyspark.daemon" in cmdline
+                    or b"pyspark.worker" in cmdline else "driver")
+            self.kinds[pid] = kind
+        return kind
 
     def finish(self) -> tuple[float, float]:
         self.stop.set()
@@ -469,9 +495,11 @@ port = 0
         s0 = self.servers.cpu()
         t0 = time.perf_counter()
         epoch_from = time.time()
-        cpu_at_start = sampler.total()
+        kinds_at_start = sampler.by_kind()
+        cpu_at_start = sum(kinds_at_start.values())
         w = self.watch(proc, sampler, lambda: self.count() - warm.rows, deadline)
-        cpu_at_done = sampler.total()
+        kinds_at_done = sampler.by_kind()
+        cpu_at_done = sum(kinds_at_done.values())
         epoch_to = time.time()
         s1 = self.servers.cpu()
         if proc.poll() is None:
@@ -494,7 +522,9 @@ port = 0
         return RunResult(mode, cores, block_rows, w.rows, w.start - t0, w.seconds,
                          cpu_at_done - cpu_at_start, s1 - s0, 0.0,
                          self.rows.encoded_row_bytes, code, w.job_cpu_s, log_offset,
-                         s1 - w.servers_at_first, jvm)
+                         s1 - w.servers_at_first, jvm=jvm,
+                         job_cpu_by_kind={k: kinds_at_done[k] - kinds_at_start[k]
+                                          for k in kinds_at_done})
 
     def latency(self, block_rows: int, mode: str = "exactly_once") -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""

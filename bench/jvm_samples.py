@@ -71,8 +71,8 @@ def read_samples(jfr: Path) -> list[Sample]:
     for event in events:
         values: dict[str, Any] = event["values"]
         stack = values.get("stackTrace") or {}
-        frames = tuple(
-            f"{f['method']['type']['name']}.{f['method']['name']}"
+        frames = tuple(  # JFR names classes with "/": the prefixes use "."
+            f"{f['method']['type']['name'].replace('/', '.')}.{f['method']['name']}"
             for f in stack.get("frames", []))
         thread = (values.get("sampledThread") or {}).get("javaName") or ""
         samples.append(Sample(_epoch(values["startTime"]), thread, frames))
