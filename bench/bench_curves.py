@@ -481,6 +481,9 @@ class Runner:
             **({"job_cpu_s_per_mrows_by_process": {
                 k: v / r.rows * 1e6 for k, v in r.job_cpu_by_kind.items()}}
                if r.job_cpu_by_kind and r.rows else {}),
+            **({"jvm_threads_cpu_s": dict(sorted(r.jvm_threads_cpu.items(),
+                                                 key=lambda kv: -kv[1]))}
+               if r.jvm_threads_cpu else {}),
         }
 
     def same(self, repeat: int) -> dict[str, Any]:

@@ -133,6 +133,8 @@ class RunResult:
     """The servers' CPU over the processing interval (first row visible to all)."""
     job_cpu_by_kind: dict[str, float] | None = None
     """A warm run's ``job_cpu_s`` split by process (:meth:`TreeSampler.by_kind`)."""
+    jvm_threads_cpu: dict[str, float] | None = None
+    """A warm run's JVM CPU by thread name (:meth:`TreeSampler.jvm_threads`)."""
     jvm: dict[str, Any] | None = None
     """With ``--jfr``, a warm run's JVM samples over its measured interval
     (:func:`bench.jvm_samples.summarize`)."""
@@ -194,6 +196,23 @@ class TreeSampler:
         out = dict.fromkeys(("jvm", "python_workers", "driver"), 0.0)
         for pid, cpu in self.cpu.items():
             out[self._kind(pid)] += cpu
+        return out
+
+    def jvm_threads(self) -> dict[str, float]:
+        """The JVM's CPU seconds so far by thread name, numbers dropped (``C2
+        CompilerThre``, ``GC Thread#``, ``Executor task launch worker for task``...:
+        Linux keeps 15 characters of a name), from ``/proc/PID/task``."""
+        ticks = os.sysconf("SC_CLK_TCK")
+        out: dict[str, float] = {}
+        for pid in [p for p in self.cpu if self._kind(p) == "jvm"]:
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    name = (task / "comm").read_text().strip()
+                    fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                key = re.sub(r"[\d.]+$", "", name).rstrip("#-_ ") or name
+                out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
         return out
 
     def _kind(self, pid: int) -> str:
@@ -496,9 +515,11 @@ port = 0
         t0 = time.perf_counter()
         epoch_from = time.time()
         kinds_at_start = sampler.by_kind()
+        threads_at_start = sampler.jvm_threads()
         cpu_at_start = sum(kinds_at_start.values())
         w = self.watch(proc, sampler, lambda: self.count() - warm.rows, deadline)
         kinds_at_done = sampler.by_kind()
+        threads_at_done = sampler.jvm_threads()
         cpu_at_done = sum(kinds_at_done.values())
         epoch_to = time.time()
         s1 = self.servers.cpu()
@@ -524,7 +545,10 @@ port = 0
                          self.rows.encoded_row_bytes, code, w.job_cpu_s, log_offset,
                          s1 - w.servers_at_first, jvm=jvm,
                          job_cpu_by_kind={k: kinds_at_done[k] - kinds_at_start[k]
-                                          for k in kinds_at_done})
+                                          for k in kinds_at_done},
+                         jvm_threads_cpu={k: v - threads_at_start.get(k, 0.0)
+                                          for k, v in threads_at_done.items()
+                                          if v - threads_at_start.get(k, 0.0) > 0})
 
     def latency(self, block_rows: int, mode: str = "exactly_once") -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""
