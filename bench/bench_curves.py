@@ -400,7 +400,8 @@ class Runner:
             rows_per_message=point.rows_per_message, seed=args.seed, folder=None,
             quorum=args.quorum, trigger="1s", max_offsets=0, timeout=args.timeout,
             profile=False, baseline_root=getattr(args, "baseline_root", None),
-            spark_event_log=True, jfr=getattr(args, "jfr", False)))
+            spark_event_log=True, jfr=getattr(args, "jfr", False),
+            jvm_options=getattr(args, "jvm_options", "")))
         widen(self.bench.rows, point.string_bytes)
 
     def prepare(self) -> None:
@@ -441,7 +442,8 @@ class Runner:
         cores = self.args.cores
         warm_rows = getattr(self.args, "warm_rows", 0)
         r = (b.warm_run(mode, cores, self.args.block_rows, warm_rows,
-                        not getattr(self.args, "keep_page_cache", True)) if warm_rows
+                        not getattr(self.args, "keep_page_cache", True),
+                        getattr(self.args, "warm_batches", 1)) if warm_rows
              else b.one_run(mode, cores, self.args.block_rows))
         tag = f"{mode}-{cores}-{self.args.block_rows}-{b.generation}"
         log = b.folder / f"{tag}.log"
@@ -624,9 +626,14 @@ def main(argv: list[str] | None = None) -> int:
                     "N), sN (N Spark task slots on --cores CPUs)")
     ap.add_argument("--baseline-root", type=Path,
                     help="another checkout whose job the 'baseline' variant runs")
+    ap.add_argument("--jvm-options", default="",
+                    help="more options for the job's JVM (every job run and variant)")
     ap.add_argument("--jfr", action="store_true",
                     help="warm job runs record Java Flight Recorder samples; each run's "
                          "JSON gets their split over its measured interval (bench.jvm_samples)")
+    ap.add_argument("--warm-batches", type=int, default=1,
+                    help="with --warm-rows: in this many batches, each produced once the "
+                         "one before is visible (the JVM compiles per batch, not per row)")
     ap.add_argument("--warm-rows", type=int, default=0,
                     help="measure the job warm: each job run first works off this many "
                          "rows of its own (not measured), then gets the point's rows in "

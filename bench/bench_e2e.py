@@ -51,6 +51,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -385,9 +386,13 @@ port = 0
                       f"--conf spark.eventLog.dir=file://{folder} "
                       "--conf spark.eventLog.compress=false "
                       "--conf spark.eventLog.rolling.enabled=false ")
+        java_options = getattr(self.args, "jvm_options", "") or ""
         if getattr(self.args, "jfr", False):
-            events += ("--driver-java-options -XX:StartFlightRecording="
-                       f"filename={log.with_suffix('.jfr')},settings=profile,dumponexit=true ")
+            java_options += (" -XX:StartFlightRecording="
+                             f"filename={log.with_suffix('.jfr')},settings=profile,"
+                             "dumponexit=true")
+        if java_options.strip():
+            events += f"--driver-java-options {shlex.quote(java_options.strip())} "
         env.update({
             "PYTHONPATH": str(root), "BLOCKAGG_LOG_FORMAT": "text",
             "PYSPARK_SUBMIT_ARGS": (f"--master local[{task_slots(mode, cores)}] --driver-memory 2g "
@@ -473,14 +478,18 @@ port = 0
                        servers_at_first)
 
     def warm_run(self, mode: str, cores: int, block_rows: int, warm_rows: int,
-                 drop_cache: bool = True) -> RunResult:
+                 drop_cache: bool = True, warm_batches: int = 1) -> RunResult:
         """:meth:`one_run`'s measurement on a job that has already run a batch: the
         job's JVM compiled, its Python workers started, its connections open, as a
         job streaming for a while has them. Each run gets a topic of its own: first
         ``warm_rows`` rows of another seed (the warm-up batch, not measured), then,
         once they are all visible, the measured rows in one Kafka transaction, which the
         job (``read_committed``) sees whole at its commit: one catch-up batch of the
-        same blocks as :meth:`one_run`'s. Measured from that commit, the page cache
+        same blocks as :meth:`one_run`'s. ``warm_batches``: the warm-up rows come in
+        that many batches, each produced once the one before is visible: Spark's JVM
+        compiles its per-batch paths (planning, task set-up, the Kafka read) with C2
+        over the first batches, not the first rows (docs/BENCHMARKS.md, "The JVM's
+        share of a warm batch"). Measured from that commit, the page cache
         dropped just before the measured rows are produced (``drop_cache``); the job is
         stopped (SIGTERM) once every row is visible."""
         from bench.workload import drop_page_cache, produce
@@ -489,9 +498,12 @@ port = 0
         tag = f"{mode}-{cores}-{block_rows}-{self.generation}"
         topic = f"{self.topic}-w{self.generation}"
         create_topic(self.bootstrap, topic, self.args.partitions)
-        warm = Rows(warm_rows, self.args.tables, self.args.rows_per_message,
-                    self.args.partitions, self.args.seed + 1000, self.database)
-        produce(self.bootstrap, topic, warm.envelopes())
+        batches = max(1, warm_batches)
+        warm = [Rows(warm_rows // batches, self.args.tables, self.args.rows_per_message,
+                     self.args.partitions, self.args.seed + 1000 + k, self.database)
+                for k in range(batches)]
+        warm_total = sum(w.rows for w in warm)
+        produce(self.bootstrap, topic, warm[0].envelopes())
         saved, self.topic = self.topic, topic
         config, _ = self.config(block_rows, tag, mode)
         self.topic = saved
@@ -499,12 +511,17 @@ port = 0
         proc = self.start_job(config, mode, cores, False, log)
         sampler = TreeSampler(proc.pid)
         deadline = time.monotonic() + self.args.timeout
-        while self.count() < warm.rows:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                raise RuntimeError(f"{tag}: the warm-up batch did not land; log {log}")
-            time.sleep(0.25)
+        landed = 0
+        for k, rows in enumerate(warm):
+            if k:
+                produce(self.bootstrap, topic, rows.envelopes())
+            landed += rows.rows
+            while self.count() < landed:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    raise RuntimeError(f"{tag}: warm-up batch {k + 1} did not land; log {log}")
+                time.sleep(0.25)
         time.sleep(2)  # the warm-up batch's final commits, after its last insert
         log_offset = log.stat().st_size
         if drop_cache:
@@ -517,7 +534,7 @@ port = 0
         kinds_at_start = sampler.by_kind()
         threads_at_start = sampler.jvm_threads()
         cpu_at_start = sum(kinds_at_start.values())
-        w = self.watch(proc, sampler, lambda: self.count() - warm.rows, deadline)
+        w = self.watch(proc, sampler, lambda: self.count() - warm_total, deadline)
         kinds_at_done = sampler.by_kind()
         threads_at_done = sampler.jvm_threads()
         cpu_at_done = sum(kinds_at_done.values())
@@ -791,6 +808,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spark-event-log", action="store_true",
                     help="each job run writes Spark's event log beside its log "
                          "(`python -m bench.spark_tasks` splits its slots' time)")
+    ap.add_argument("--jvm-options", default="",
+                    help="more options for the job's JVM (e.g. -XX:+PrintCompilation)")
     ap.add_argument("--jfr", action="store_true",
                     help="each job run records Java Flight Recorder samples beside its log "
                          "(`python -m bench.jvm_samples` splits them)")
