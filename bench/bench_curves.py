@@ -555,16 +555,25 @@ def on_curve(results: Sequence[PointResult], curve: str) -> list[PointResult]:
     """The results that are points of ``curve``, in its order: measured as its points,
     or as another curve's point of the same workload (the centre, 100 tables, 8
     partitions, 10 rows a message, narrow rows, is a point of every curve), relabelled
-    as ``curve``'s; a point measured as ``curve``'s own wins."""
+    as ``curve``'s; a point measured as ``curve``'s own wins, and of two alike the later
+    in ``results`` (a newer run's file given after an older one's)."""
     chosen: dict[tuple[int, int, int, int], PointResult] = {}
+    measured_here: set[tuple[int, int, int, int]] = set()
     for wanted in points([curve]):
+        key = workload(wanted)
         for r in results:
-            if workload(r.point) == workload(wanted) and (
-                    workload(wanted) not in chosen or r.point.curve == curve):
-                chosen[workload(wanted)] = (r if r.point.curve == curve else
-                                            dataclasses.replace(r, point=wanted))
-    own = [r for r in results if r.point.curve == curve and workload(r.point) not in chosen]
-    return sorted([*chosen.values(), *own], key=lambda r: r.point.x)
+            if workload(r.point) != key:
+                continue
+            if r.point.curve == curve:
+                chosen[key] = r
+                measured_here.add(key)
+            elif key not in measured_here:
+                chosen[key] = dataclasses.replace(r, point=wanted)
+    own: dict[tuple[int, int, int, int], PointResult] = {}
+    for r in results:
+        if r.point.curve == curve and workload(r.point) not in chosen:
+            own[workload(r.point)] = r
+    return sorted([*chosen.values(), *own.values()], key=lambda r: r.point.x)
 
 
 def plot(results: Sequence[PointResult], path: Path) -> None:

@@ -278,3 +278,18 @@ def test_the_centre_point_is_on_every_curve_and_own_points_stay() -> None:
         ("partitions", "2"), ("partitions", "8")]
     assert [r.point.label for r in on_curve(results, "row_width")] == ["narrow", "1KiB"]
     assert [r.point.label for r in on_curve(results, "rows_per_message")] == ["10"]
+
+
+def test_a_later_run_of_a_point_replaces_an_earlier_one() -> None:
+    """Files given in order, older first: a point measured twice is drawn once, from
+    the later run; a point of this curve beats the centre borrowed from another."""
+    old_33 = PointResult(Point("tables", "33", tables=33), 1000, 67.5, 2)
+    new_33 = PointResult(Point("tables", "33", tables=33), 2000, 67.5, 2)
+    old_centre = PointResult(Point("tables", "100"), 1000, 67.5, 2)
+    new_centre = PointResult(Point("tables", "100"), 2000, 67.5, 2)
+    own_narrow = PointResult(Point("row_width", "narrow"), 3000, 67.5, 2)
+    results = [old_33, old_centre, new_33, new_centre]
+    assert [(r.point.label, r.rows) for r in on_curve(results, "tables")] == [
+        ("33", 2000), ("100", 2000)]
+    assert [r.rows for r in on_curve(results, "partitions")] == [2000]
+    assert [r.rows for r in on_curve([own_narrow, *results], "row_width")] == [3000]
