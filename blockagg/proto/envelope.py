@@ -106,8 +106,10 @@ class JoinedValues(Sequence[bytes | None]):
 
     @classmethod
     def from_arrow(cls, chunks: Sequence[pa.Array]) -> JoinedValues:
-        """The values of binary Arrow arrays ``chunks``, in order, copied once into
-        one padded buffer (a null's bytes, if its producer left any, are dropped)."""
+        """The values of binary Arrow arrays ``chunks`` (``binary``, or ``large_binary``
+        with Spark's ``spark.sql.execution.arrow.useLargeVarTypes``), in order, copied
+        once into one padded buffer (a null's bytes, if its producer left any, are
+        dropped)."""
         parts: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.int64]]] = []
         nulls: list[npt.NDArray[np.bool_]] = []
         for chunk in chunks:
@@ -116,8 +118,11 @@ class JoinedValues(Sequence[bytes | None]):
                 chunk = chunk.fill_null(b"")
             else:
                 nulls.append(np.zeros(len(chunk), dtype=np.bool_))
+            if not (pa.types.is_binary(chunk.type) or pa.types.is_large_binary(chunk.type)):
+                raise TypeError(f"Kafka values must be binary Arrow arrays, not {chunk.type}")
+            width = np.int64 if pa.types.is_large_binary(chunk.type) else np.int32
             _, offsets_buf, data_buf = chunk.buffers()
-            offsets = np.frombuffer(offsets_buf, dtype=np.int32)[
+            offsets = np.frombuffer(offsets_buf, dtype=width)[
                 chunk.offset:chunk.offset + len(chunk) + 1].astype(np.int64)
             data = (np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None
                     else np.zeros(0, dtype=np.uint8))

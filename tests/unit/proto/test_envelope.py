@@ -5,6 +5,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -136,9 +137,10 @@ def test_joined_values_are_the_values_and_parse_alike(values: list[bytes | None]
     bounds = [0, *cuts, len(values)]
     chunks = []
     for lo, hi in itertools.pairwise(bounds):
-        whole = pa.array([b"pre", *values[lo:hi], b"post"], type=pa.binary())
+        kind = data.draw(st.sampled_from([pa.binary(), pa.large_binary()]))
+        whole = pa.array([b"pre", *values[lo:hi], b"post"], type=kind)
         chunks.append(whole.slice(1, hi - lo) if data.draw(st.booleans())
-                      else pa.array(values[lo:hi], type=pa.binary()))
+                      else pa.array(values[lo:hi], type=kind))
     joined = JoinedValues.from_arrow(chunks)
     assert len(joined) == len(values)
     assert list(joined) == values
@@ -160,3 +162,8 @@ def test_a_null_value_whose_producer_left_bytes_is_none() -> None:
     joined = JoinedValues.from_arrow([chunk, pa.array([b"g"], type=pa.binary())])
     assert list(joined) == [b"abc", None, b"def", b"g"]
     assert joined.lengths.tolist() == [3, 0, 3, 1]
+
+
+def test_values_that_are_not_binary_are_refused() -> None:
+    with pytest.raises(TypeError, match="binary"):
+        JoinedValues.from_arrow([pa.array(["text"], type=pa.string())])
