@@ -488,10 +488,10 @@ port = 0
         same blocks as :meth:`one_run`'s. ``warm_batches``: the warm-up rows come in
         that many batches, each produced once the one before is visible: Spark's JVM
         compiles its per-batch paths (planning, task set-up, the Kafka read) with C2
-        over the first batches, not the first rows (docs/BENCHMARKS.md, "The JVM's
-        share of a warm batch"). Measured from that commit, the page cache
-        dropped just before the measured rows are produced (``drop_cache``); the job is
-        stopped (SIGTERM) once every row is visible."""
+        over the first batches, not the first rows (docs/BENCHMARKS.md, "1 KiB rows, the
+        driver's progress poll, and the JVM's share of a warm batch"). Measured from
+        that commit, the page cache dropped just before the measured rows are produced
+        (``drop_cache``); the job is stopped (SIGTERM) once every row is visible."""
         from bench.workload import drop_page_cache, produce
 
         self.fresh_tables()

@@ -454,7 +454,9 @@ def _read_long_varints(buf: U8, pos: I64, idx: I64, value: U64, after: I64,
 _LONG_RANGE_BYTES: Final = 256
 """From this mean length of the ranges :func:`_gather_ranges` copies (bytes), it
 copies them one slice at a time: a slice costs ~0.3 us whatever its length, the
-mask path ~1.5 ns a byte of the span (bench.bench_decode, 2026-11-28)."""
+mask path ~1.5 ns a byte of the span, in memory a task touches for the first time
+(``bench.bench_task --string-bytes 1024 --stages``; docs/BENCHMARKS.md, "1 KiB rows,
+the driver's progress poll, and the JVM's share of a warm batch")."""
 
 
 def _gather_ranges(buf: U8, starts: I64, lengths: I64) -> tuple[U8, I64]:

@@ -245,8 +245,9 @@ def last_progress(query: Any) -> dict[str, Any] | None:
     """The query's last progress as a dict, from the JVM's own JSON: one Py4J call.
     PySpark 4's ``StreamingQuery.lastProgress`` builds its object field by field (a
     Py4J call each, some of them class lookups through every jar): 68 ms of wall and
-    17 ms of the driver's CPU a call against 0.8 ms (docs/BENCHMARKS.md, "The JVM's
-    share of a warm batch"), and the driver asks twice a second."""
+    17 ms of the driver's CPU a call against 0.8 ms (docs/BENCHMARKS.md, "1 KiB rows, the
+    driver's progress poll, and the JVM's share of a warm batch"), and the driver asks
+    twice a second."""
     jsq = getattr(query, "_jsq", None)
     if jsq is None:  # not PySpark's query object
         return _progress_dict(query.lastProgress)

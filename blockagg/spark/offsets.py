@@ -156,7 +156,8 @@ class OffsetLog:
     The Java classes it uses are looked up once: Py4J resolves a dotted name such as
     ``jvm.org.apache.hadoop.fs.Path`` one segment at a time, each a round trip in which
     the JVM first tries the segment as a class, through every jar on Spark's class
-    path (docs/BENCHMARKS.md, "The JVM's share of a warm batch")."""
+    path (docs/BENCHMARKS.md, "1 KiB rows, the driver's progress poll, and the JVM's
+    share of a warm batch")."""
 
     def __init__(self, spark: Any, checkpoint: str) -> None:
         jvm = spark.sparkContext._jvm
