@@ -43,13 +43,21 @@ def is_quorum_failure(code: int | None, message: str) -> bool:
     return code in QUORUM_CODES or (code in (159, 319) and "quorum" in message.lower())
 
 
+def is_quorum_pending(code: int | None, message: str) -> bool:
+    """Whether a refused insert says another insert's quorum on the same table is still
+    pending (18.16 takes one quorum insert per table at a time, checked in ZooKeeper
+    before anything is written): nothing of this attempt was stored, and every replica
+    would answer the same until that quorum is reached."""
+    return code == 286 and "previous write" in message
+
+
 def retry_level(attempt: int, attempts: int, code: int | None, message: str) -> int:
     """How loud a failed attempt that is retried is: INFO while it is what a healthy
     cluster does now and then (a first failure, or another insert's quorum still
     pending: 18.16 takes one quorum insert per table at a time, so partitions writing
     one table queue behind each other), WARNING once it persists and at the last
     attempt. Pure."""
-    pending = code == 286 and "previous write" in message
+    pending = is_quorum_pending(code, message)
     return logging.INFO if attempt == 1 or (pending and attempt < attempts) else logging.WARNING
 
 

@@ -61,6 +61,7 @@ from blockagg.aggregator.clickhouse.diagnosis import (
     alter_error,
     is_alter_pending,
     is_quorum_failure,
+    is_quorum_pending,
     quorum_error,
     replica_states,
     retry_level,
@@ -145,6 +146,34 @@ stored the block meanwhile under columns an ``ALTER`` has since changed
 (docs/protocol.md, *The residual window*). A newer attempt needs a driver restart or
 a lost executor, then its own commit, insert and the ALTER, far longer than this."""
 
+QUORUM_PENDING_FIRST_PAUSE_S: Final = 0.01
+"""The first pause before an insert refused for another insert's pending quorum is sent
+again: about the time an 18.16 replica takes to fetch a block of a few thousand rows."""
+
+QUORUM_PENDING_MAX_PAUSE_S: Final = 0.5
+
+
+class QuorumQueue:
+    """Pauses of one insert waiting behind other inserts' quorums on its table: from
+    :data:`QUORUM_PENDING_FIRST_PAUSE_S`, doubling up to
+    :data:`QUORUM_PENDING_MAX_PAUSE_S`, until ``budget_s`` is spent; ``None`` then,
+    and the refusal counts as a failed attempt (a quorum pending that long is a replica
+    not catching up, which the attempts diagnose). Counted in requested pauses, not the
+    clock, so a writer with a test's sleep still ends."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.left = budget_s
+        self.next = QUORUM_PENDING_FIRST_PAUSE_S
+
+    def pause(self, jitter: float = 1.0) -> float | None:
+        if self.left <= 0:
+            return None
+        pause = min(self.next * jitter, self.left)
+        self.left -= pause
+        self.next = min(self.next * 2, QUORUM_PENDING_MAX_PAUSE_S)
+        return pause
+
+
 def _is_native_client(client: Any) -> bool:
     """Whether ``client`` sends :class:`~aggregator.clickhouse.native.NativeBlock`s."""
     return _is_driver_client(client) and isinstance(client, native_client_class())
@@ -187,6 +216,13 @@ class WriterConfig:
     max_attempts: int = 12
     backoff_initial_s: float = 0.2
     backoff_max_s: float = 15.0
+    quorum_pending_wait_s: float = 10.0
+    """How long, in all, an insert waits in short pauses, on the same replica, while the
+    table's previous quorum insert is pending (code 286, :func:`~aggregator.clickhouse.
+    diagnosis.is_quorum_pending`) before each further such refusal counts as a failed
+    attempt (failover, backoff): partitions writing one table queue behind each other's
+    quorums on 18.16, which takes a few tens of milliseconds an insert, not
+    ``backoff_initial_s``."""
     connect_timeout_s: float = 10.0
     send_receive_timeout_s: float = 300.0
     dead_letter_table: str = "blockagg.dead_letters"
@@ -717,7 +753,10 @@ class ClickHouseBlockWriter:
         last_code: int | None = None
         last_message = ""
         quorum: tuple[int | None, str] | None = None  # the last quorum refusal
-        for attempt in range(1, self.config.max_attempts + 1):
+        queued = QuorumQueue(self.config.quorum_pending_wait_s)
+        attempt = 0
+        while attempt < self.config.max_attempts:
+            attempt += 1
             replica = self._current_replica()
             try:
                 return action(self._client(replica))
@@ -735,6 +774,15 @@ class ClickHouseBlockWriter:
                     raise InsertFailed(what, code, last_message, attempt) from exc
             if is_quorum_failure(last_code, last_message):
                 quorum = (last_code, last_message)
+            pause = (queued.pause(random.uniform(0.8, 1.2))
+                     if is_quorum_pending(last_code, last_message) else None)
+            if pause is not None:
+                log.debug("%s on %s:%d: the table's previous quorum insert is pending; "
+                          "sent again in %.3f s to the same replica", what,
+                          replica.host, replica.port, pause)
+                self._sleep(pause)
+                attempt -= 1
+                continue
             log.log(retry_level(attempt, self.config.max_attempts, last_code, last_message),
                     "%s on %s:%d failed (attempt %d/%d): %s; retrying %s", what,
                     replica.host, replica.port, attempt, self.config.max_attempts,

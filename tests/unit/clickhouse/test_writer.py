@@ -397,7 +397,7 @@ def test_an_unreachable_quorum_names_the_lagging_replica_and_the_remedy(
     script: dict[str, Any] = {"a": list(refusal), "b": list(refusal)}
     writer = ClickHouseBlockWriter(
         WriterConfig(replicas=(Replica("a"), Replica("b", 9100)), insert_quorum=2,
-                     max_attempts=4),
+                     max_attempts=4, quorum_pending_wait_s=0),
         lambda r: ReplicaViewClient(r, script, []), sleep=lambda s: None)
     with pytest.raises(QuorumUnsatisfied) as info:
         writer.insert(block, batch)
@@ -434,7 +434,8 @@ def test_a_retry_after_a_quorum_timeout_is_refused_until_the_quorum_holds_the_bl
         "b": [ch_errors.ServerException(QUORUM_286, code=286)] * 2}
     log: list[Any] = []
     writer = ClickHouseBlockWriter(
-        WriterConfig(replicas=(Replica("a"), Replica("b")), insert_quorum=2, max_attempts=4),
+        WriterConfig(replicas=(Replica("a"), Replica("b")), insert_quorum=2, max_attempts=4,
+                     quorum_pending_wait_s=0),
         lambda r: ReplicaViewClient(r, script, log), sleep=lambda s: None)
     with pytest.raises(QuorumUnsatisfied) as info:
         writer.insert(block, batch)
@@ -442,6 +443,66 @@ def test_a_retry_after_a_quorum_timeout_is_refused_until_the_quorum_holds_the_bl
     assert info.value.code == 286 and "The replica that does not catch up: r2." in str(info.value)
     writer.insert(block, batch)  # the lagging replica caught up: the next attempt is acknowledged
     assert len(log) == 5
+
+
+class CountingClient(ReplicaViewClient):
+    """Counts the connections the writer opens and closes."""
+
+    opened: ClassVar[list[str]] = []
+    closed: ClassVar[list[str]] = []
+
+    def __init__(self, replica: Replica, script: dict[str, list[Any]], log: list[Any]) -> None:
+        super().__init__(replica, script, log)
+        self.opened.append(replica.host)
+
+    def disconnect(self) -> None:
+        self.closed.append(self.replica.host)
+
+
+def test_an_insert_queued_behind_another_quorum_waits_briefly_on_the_same_replica(
+        sample: Descriptor) -> None:
+    """On 18.16 a table takes one quorum insert at a time: an insert refused because the
+    previous one's quorum is pending (286) is nothing failing. It is sent again to the
+    same replica after 10 ms, then 20, 40..., counting no attempt, instead of failing
+    over and sleeping ``backoff_initial_s`` (1 s by default) as a real failure does."""
+    batch, block = sample_batch(sample)
+    script: dict[str, Any] = {"a": [ch_errors.ServerException(QUORUM_286, code=286)] * 3}
+    log: list[Any] = []
+    sleeps: list[float] = []
+    CountingClient.opened, CountingClient.closed = [], []
+    writer = ClickHouseBlockWriter(
+        WriterConfig(replicas=(Replica("a"), Replica("b")), insert_quorum=2, max_attempts=2,
+                     backoff_initial_s=1.0),
+        lambda r: CountingClient(r, script, log), sleep=sleeps.append)
+    writer.insert(block, batch)
+    assert [host for host, *_ in log] == ["a"] * 4
+    assert CountingClient.opened == ["a"] and CountingClient.closed == []
+    assert len(sleeps) == 3 and sum(sleeps) < 0.1, sleeps
+    assert sleeps == sorted(sleeps)
+
+
+def test_a_quorum_pending_past_the_budget_fails_over_and_is_diagnosed(
+        sample: Descriptor) -> None:
+    """A pending quorum that outlasts ``quorum_pending_wait_s`` (in pauses of at most
+    0.5 s) is a replica not catching up: each further refusal is an attempt, with
+    failover and backoff, and the last ends in the same QuorumUnsatisfied diagnosis."""
+    batch, block = sample_batch(sample)
+    refusal = ch_errors.ServerException(QUORUM_286, code=286)
+    script: dict[str, Any] = {"a": [refusal] * 100, "b": [refusal] * 100}
+    log: list[Any] = []
+    sleeps: list[float] = []
+    writer = ClickHouseBlockWriter(
+        WriterConfig(replicas=(Replica("a"), Replica("b")), insert_quorum=2, max_attempts=3,
+                     backoff_initial_s=1.0, quorum_pending_wait_s=2.0),
+        lambda r: ReplicaViewClient(r, script, log), sleep=sleeps.append)
+    with pytest.raises(QuorumUnsatisfied) as info:
+        writer.insert(block, batch)
+    waits = [s for s in sleeps if s <= 0.6]
+    assert abs(sum(waits) - 2.0) < 1e-9 and max(waits) <= 0.5 * 1.2
+    assert [round(s) for s in sleeps if s > 0.6] == [1, 2]  # the attempts' backoff
+    hosts = [host for host, *_ in log]
+    assert hosts[:len(waits) + 1] == ["a"] * (len(waits) + 1) and hosts[-2:] == ["b", "a"]
+    assert "failed after 3 attempt(s)" in str(info.value)
 
 
 def test_a_quorum_timeout_on_every_attempt_names_the_lagging_replica(
