@@ -202,6 +202,10 @@ class BatchSummary:
     and ``maxOffsetsPerTrigger`` count)."""
     block_rows: list[int] = field(default_factory=list)
     """Rows of each block the batch inserted (``blocks.min_rows`` sizes batches by them)."""
+    quorum_waits: int = 0
+    """Inserts sent again because their table's previous quorum insert was pending
+    (ClickHouse 18.16's code 286: partitions writing one table queue), summed over the
+    tasks."""
 
     def add(self, rep: Mapping[str, Any]) -> None:
         self.partitions += 1
@@ -222,6 +226,7 @@ class BatchSummary:
             self.task_starts.append(float(rep["entered"]))
         self.fresh_workers += int(bool(rep.get("fresh_worker", False)))
         self.block_rows.extend(int(r) for r in rep.get("block_rows", ()))
+        self.quorum_waits += int(rep.get("quorum_waits", 0))
         self.commit_seconds += sum(rep.get("commit_seconds", ()))
         self.insert_seconds += sum(s for _, s in rep.get("insert_seconds", ()))
         if rep.get("warning"):
@@ -851,7 +856,7 @@ class Driver:
             dead_letters=summary.dead_letters, skipped=summary.skipped,
             commits=summary.commits,
             **{name: round(getattr(summary, name), 3) for name in BATCH_LINE_SECONDS},
-            fresh_workers=summary.fresh_workers,
+            fresh_workers=summary.fresh_workers, quorum_waits=summary.quorum_waits,
             **retried,
         )
 

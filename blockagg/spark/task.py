@@ -332,6 +332,16 @@ class _MeasuredSink:
         self.inserted: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         self.block_rows: list[int] = []
         self.errors: dict[str, int] = defaultdict(int)
+        self._waits_before = self._waits()
+
+    def _waits(self) -> int:
+        return int(getattr(self.inner, "quorum_waits", 0))
+
+    @property
+    def quorum_waits(self) -> int:
+        """Inserts of this task sent again behind another insert's pending quorum (the
+        writer is this worker's and runs one task at a time)."""
+        return self._waits() - self._waits_before
 
     def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         start = time.perf_counter()
@@ -527,6 +537,7 @@ def task_report(tp: TopicPartition, batch: Batch, report: BatchReport, store: _M
         "commit_failures": store.failures,
         "dead_letters": dict(dead_letters),
         "clickhouse_errors": dict(sink.errors),
+        "quorum_waits": sink.quorum_waits,
         "seconds": time.time() - started,
         "prepare_seconds": prepare_seconds,
         "attempt": spark_attempt(),

@@ -139,3 +139,51 @@ def test_a_retry_after_a_failed_quorum_is_stored_afresh_and_once(
     for c in ch_replicas:
         c.execute(f"SYSTEM SYNC REPLICA {table}")
         assert c.execute(f"SELECT count(), uniqExact(_offset, i64) FROM {table}") == [(20, 20)]
+
+
+def test_an_insert_queued_behind_another_quorum_waits_on_the_same_replica_and_lands(
+        stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str,
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Two partitions' blocks for one table on 18.16: the second is refused (286) while
+    the first one's quorum is pending. The writer waits that out on the same replica,
+    counting no attempt and logging no retry, and lands the block within a pause (at
+    most 0.5 s) of the first quorum being reached (r2 fetching again: 18.16 takes
+    seconds to retry a fetch it postponed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    table = _table(ch_replicas, ch_database, "quorum_queue", COLUMNS_1816)
+    first = _patient_writer(stack_env)
+    batch, block_a, block_b = _batch_and_blocks(first, table, tmp_path)
+    host = stack_env["BLOCKAGG_CH_HOST"]
+    replicas = tuple(Replica(host, int(p)) for p in stack_env["BLOCKAGG_CH_PORTS"].split(","))
+    queued = ClickHouseBlockWriter(WriterConfig(
+        replicas=replicas, insert_quorum=2, insert_quorum_timeout_ms=30_000,
+        max_attempts=2, backoff_initial_s=1.0, quorum_pending_wait_s=40.0), sleep=time.sleep)
+    caplog.set_level(logging.DEBUG, logger="blockagg.aggregator.clickhouse.writer")
+    ch_replicas[1].execute(f"SYSTEM STOP FETCHES {table}")
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            pending = pool.submit(first.insert, block_a, batch)
+            deadline = time.monotonic() + 30
+            while not _quorum_pending(ch_replicas[0], ch_database, "quorum_queue"):
+                assert time.monotonic() < deadline, "the first insert's quorum never began"
+                time.sleep(0.05)
+            pool_b = ThreadPoolExecutor(1)
+            landed = pool_b.submit(queued.insert, block_b, batch)
+            time.sleep(1.0)
+        finally:
+            ch_replicas[1].execute(f"SYSTEM START FETCHES {table}")
+        pending.result(timeout=60)
+        reached = time.monotonic()
+        landed.result(timeout=60)
+        pool_b.shutdown()
+    after = time.monotonic() - reached
+    assert _attempt_codes(caplog) == [], "a queued insert is not a failed attempt"
+    waits = [r for r in caplog.records if "previous quorum insert is pending" in r.getMessage()]
+    assert waits and all(r.levelno == logging.DEBUG for r in waits)
+    assert all(f":{replicas[0].port}:" in r.getMessage() for r in waits), "no failover"
+    assert queued.quorum_waits == len(waits)
+    assert after < 1.0, f"landed {after:.2f} s after the quorum it queued behind"
+    for c in ch_replicas:
+        c.execute(f"SYSTEM SYNC REPLICA {table}")
+    assert _rows_now(ch_replicas, table) == [40, 40]

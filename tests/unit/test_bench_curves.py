@@ -28,6 +28,7 @@ from bench.bench_curves import (
     on_curve,
     points,
     python_share,
+    quorum_waits,
     verdict,
     widen,
 )
@@ -150,6 +151,16 @@ messages=10 rows=20 bytes=70 blocks=4 replayed_blocks=0 seconds=1.0
 def test_batch_figures_count_the_batches_that_inserted() -> None:
     assert batch_figures(LOG) == ([80, 4], [100_000, 20])
     assert batch_figures("") == ([], [])
+
+
+def test_quorum_waits_count_batch_lines_and_an_older_jobs_refusals() -> None:
+    line = ('03:03:52 INFO    blockagg.job: batch kind="stream" batch=1 blocks=80 '
+            "fresh_workers=0 quorum_waits=7 read_seconds=0.1\n")
+    older = ("03:03:52 INFO    blockagg.aggregator.clickhouse.writer: db.t on h:9000 failed "
+             "(attempt 1/6): DB::Exception: Quorum for previous write has not been "
+             "satisfied yet. Status: version: 1\n")
+    assert quorum_waits(line * 2 + older) == 15
+    assert quorum_waits(LOG) == 0
 
 
 def test_batch_seconds_sum_every_batch_line() -> None:

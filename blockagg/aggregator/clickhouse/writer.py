@@ -371,6 +371,10 @@ class ClickHouseBlockWriter:
         self._windows: dict[str, tuple[float, DedupWindow]] = {}
         self._described: dict[str, TableInfo] = {}
         self._dead_letter_seen: tuple[float, bool] | None = None
+        self.quorum_waits = 0
+        """Inserts refused because the table's previous quorum was pending and sent again
+        (:class:`QuorumQueue`), since the writer was made: what a batch's
+        ``quorum_waits`` counts."""
 
     def _client(self, replica: Replica) -> Client:
         """This thread's client of ``replica``."""
@@ -777,6 +781,8 @@ class ClickHouseBlockWriter:
             pause = (queued.pause(random.uniform(0.8, 1.2))
                      if is_quorum_pending(last_code, last_message) else None)
             if pause is not None:
+                with self._clients_lock:
+                    self.quorum_waits += 1
                 log.debug("%s on %s:%d: the table's previous quorum insert is pending; "
                           "sent again in %.3f s to the same replica", what,
                           replica.host, replica.port, pause)

@@ -479,6 +479,7 @@ def test_an_insert_queued_behind_another_quorum_waits_briefly_on_the_same_replic
     assert CountingClient.opened == ["a"] and CountingClient.closed == []
     assert len(sleeps) == 3 and sum(sleeps) < 0.1, sleeps
     assert sleeps == sorted(sleeps)
+    assert writer.quorum_waits == 3  # the batch line's quorum_waits
 
 
 def test_a_quorum_pending_past_the_budget_fails_over_and_is_diagnosed(

@@ -66,12 +66,13 @@ def test_max_rate_one_never_stops() -> None:
 
 def test_the_batch_line_says_where_the_tasks_time_went() -> None:
     summary = BatchSummary(3)
-    for seconds, commits, inserts in ((2.0, [0.1, 0.2], [("a", 1.0), ("b", 1.5)]),
-                                      (3.0, [0.3], [("a", 2.0)])):
+    for seconds, commits, inserts, waits in (
+            (2.0, [0.1, 0.2], [("a", 1.0), ("b", 1.5)], 2), (3.0, [0.3], [("a", 2.0)], 1)):
         summary.add({"messages": 1, "rows": 1, "bytes": 1, "blocks": 1, "replayed_blocks": 0,
                      "dead_letters": {}, "skipped": False, "commits": 2, "seconds": seconds,
                      "commit_seconds": commits, "insert_seconds": inserts,
-                     "topic": "t", "partition": 0})
+                     "quorum_waits": waits, "topic": "t", "partition": 0})
+    assert summary.quorum_waits == 3
     assert summary.max_task_seconds == 3.0
     assert summary.task_seconds == 5.0
     assert round(summary.commit_seconds, 6) == 0.6
