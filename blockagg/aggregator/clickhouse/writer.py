@@ -150,7 +150,10 @@ QUORUM_PENDING_FIRST_PAUSE_S: Final = 0.01
 """The first pause before an insert refused for another insert's pending quorum is sent
 again: about the time an 18.16 replica takes to fetch a block of a few thousand rows."""
 
-QUORUM_PENDING_MAX_PAUSE_S: Final = 0.5
+QUORUM_PENDING_MAX_PAUSE_S: Final = 0.1
+"""The longest pause between two sends of a queued insert: it lands at most this long
+after the quorum it waits behind is reached. Each send carries the whole block, so not
+shorter."""
 
 
 class QuorumQueue:
