@@ -96,7 +96,8 @@ BLOCKS: dict[tuple[str, str, str], str] = {
      "task_seconds=4.1 commit_seconds=0.3 insert_seconds=5.2 plan_seconds=0.02 "
      "checks_seconds=0.0 ends_seconds=0.01 mark_seconds=0.01 spark_seconds=1.8 "
      "build_seconds=0.03 start_seconds=0.5 last_start_seconds=0.55 submit_seconds=0.15 "
-     "launch_seconds=0.05 fresh_workers=0 read_seconds=0.02 prepare_seconds=1.2"): OUTPUT,
+     "launch_seconds=0.05 fresh_workers=0 quorum_waits=3 read_seconds=0.02 "
+     "prepare_seconds=1.2"): OUTPUT,
     ("running.md", "", "ERROR blockagg.job: start refused: topic shop.orders is delivered "
      "into shard ch1:9000,ch2:9000 by group 'orders-prod' (since 2026-11-26T10:02:11Z; "
      "orders-prod's committed resume offsets [0]=66011, [1]=65990), not by group "
