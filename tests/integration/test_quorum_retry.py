@@ -53,8 +53,11 @@ def test_a_retry_after_a_quorum_timeout_succeeds_only_once_the_quorum_holds_the_
         stack_env: dict[str, str], ch_replicas: list[Any], ch_database: str,
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     table = _table(ch_replicas, ch_database, "quorum_retry", COLUMNS_1816)
+    # No wait in the quorum queue (each 286 an attempt, as the attempts' diagnosis is
+    # what this test reads): this writer's sleep returns at once, and a send repeated
+    # that fast finds the refused one still registered (216, query id in use).
     writer = writer_for(stack_env, insert_quorum=2, insert_quorum_timeout_ms=1500,
-                        max_attempts=4)
+                        max_attempts=4, quorum_pending_wait_s=0)
     batch, block, _ = _batch_and_blocks(writer, table, tmp_path)
     caplog.set_level(logging.INFO, logger="blockagg.aggregator.clickhouse.writer")
     ch_replicas[1].execute(f"SYSTEM STOP FETCHES {table}")
@@ -77,7 +80,7 @@ def test_a_retry_after_a_quorum_timeout_succeeds_only_once_the_quorum_holds_the_
         replay = dataclasses.replace(block, replay=True)
         with pytest.raises(QuorumUnsatisfied):
             writer_for(stack_env, insert_quorum=2, insert_quorum_timeout_ms=1500,
-                       max_attempts=3).insert(replay, batch)
+                       max_attempts=3, quorum_pending_wait_s=0).insert(replay, batch)
         assert all("Quorum for previous write" in c for c in _attempt_codes(caplog))
         assert _rows_now(ch_replicas, table) == [20, 0]
     finally:
