@@ -148,7 +148,9 @@ a lost executor, then its own commit, insert and the ALTER, far longer than this
 
 QUORUM_PENDING_FIRST_PAUSE_S: Final = 0.01
 """The first pause before an insert refused for another insert's pending quorum is sent
-again: about the time an 18.16 replica takes to fetch a block of a few thousand rows."""
+again: the pause of the benchmark's same-blocks limit (``bench.bench_limits``), whose
+queued inserts land that soon after their turn; a warm quorum insert of 12,500 rows
+took 0.05-0.1 s there (docs/BENCHMARKS.md, session 22)."""
 
 QUORUM_PENDING_MAX_PAUSE_S: Final = 0.1
 """The longest pause between two sends of a queued insert: it lands at most this long
