@@ -51,13 +51,18 @@ def is_quorum_pending(code: int | None, message: str) -> bool:
     return code == 286 and "previous write" in message
 
 
-def retry_level(attempt: int, attempts: int, code: int | None, message: str) -> int:
+def retry_level(attempt: int, attempts: int, code: int | None, message: str, *,
+                waited: bool = False) -> int:
     """How loud a failed attempt that is retried is: INFO while it is what a healthy
     cluster does now and then (a first failure, or another insert's quorum still
     pending: 18.16 takes one quorum insert per table at a time, so partitions writing
     one table queue behind each other), WARNING once it persists and at the last
-    attempt. Pure."""
+    attempt. ``waited``: the writer already waited the quorum queue's whole budget on
+    this insert (``WriterConfig.quorum_pending_wait_s``), so a quorum still pending is a
+    replica not catching up, not a queue: WARNING from then on. Pure."""
     pending = is_quorum_pending(code, message)
+    if pending and waited:
+        return logging.WARNING
     return logging.INFO if attempt == 1 or (pending and attempt < attempts) else logging.WARNING
 
 

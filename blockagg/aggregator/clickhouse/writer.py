@@ -167,8 +167,14 @@ class QuorumQueue:
     clock, so a writer with a test's sleep still ends."""
 
     def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
         self.left = budget_s
         self.next = QUORUM_PENDING_FIRST_PAUSE_S
+
+    @property
+    def spent(self) -> bool:
+        """Whether this insert already waited the whole budget (none when it is 0)."""
+        return self.budget_s > 0 and self.left <= 0
 
     def pause(self, jitter: float = 1.0) -> float | None:
         if self.left <= 0:
@@ -794,7 +800,8 @@ class ClickHouseBlockWriter:
                 self._sleep(pause)
                 attempt -= 1
                 continue
-            log.log(retry_level(attempt, self.config.max_attempts, last_code, last_message),
+            log.log(retry_level(attempt, self.config.max_attempts, last_code, last_message,
+                                waited=queued.spent),
                     "%s on %s:%d failed (attempt %d/%d): %s; retrying %s", what,
                     replica.host, replica.port, attempt, self.config.max_attempts,
                     last_message.split("Stack trace:")[0].strip(),

@@ -3,6 +3,7 @@ non-retriable errors, coordinates, dead letters, and the startup dedup check."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, ClassVar
 
 import numpy as np
@@ -483,10 +484,11 @@ def test_an_insert_queued_behind_another_quorum_waits_briefly_on_the_same_replic
 
 
 def test_a_quorum_pending_past_the_budget_fails_over_and_is_diagnosed(
-        sample: Descriptor) -> None:
+        sample: Descriptor, caplog: pytest.LogCaptureFixture) -> None:
     """A pending quorum that outlasts ``quorum_pending_wait_s`` (in pauses of at most
     0.1 s) is a replica not catching up: each further refusal is an attempt, with
-    failover and backoff, and the last ends in the same QuorumUnsatisfied diagnosis."""
+    failover and backoff, each logged as a WARNING, and the last ends in the same
+    QuorumUnsatisfied diagnosis."""
     batch, block = sample_batch(sample)
     refusal = ch_errors.ServerException(QUORUM_286, code=286)
     script: dict[str, Any] = {"a": [refusal] * 100, "b": [refusal] * 100}
@@ -496,8 +498,11 @@ def test_a_quorum_pending_past_the_budget_fails_over_and_is_diagnosed(
         WriterConfig(replicas=(Replica("a"), Replica("b")), insert_quorum=2, max_attempts=3,
                      backoff_initial_s=1.0, quorum_pending_wait_s=2.0),
         lambda r: ReplicaViewClient(r, script, log), sleep=sleeps.append)
-    with pytest.raises(QuorumUnsatisfied) as info:
+    with caplog.at_level(logging.DEBUG, logger="blockagg"), \
+            pytest.raises(QuorumUnsatisfied) as info:
         writer.insert(block, batch)
+    retried = [r for r in caplog.records if "failed (attempt" in r.getMessage()]
+    assert [r.levelno for r in retried] == [logging.WARNING] * 3
     waits = [s for s in sleeps if s <= 0.6]
     assert abs(sum(waits) - 2.0) < 1e-9 and max(waits) <= 0.1 * 1.2
     assert [round(s) for s in sleeps if s > 0.6] == [1, 2]  # the attempts' backoff

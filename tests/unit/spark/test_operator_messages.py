@@ -389,6 +389,7 @@ def test_quorum_contention_and_first_retries_are_info_persisting_ones_warn() -> 
     assert retry_level(2, 6, 210, "Connection refused") == logging.WARNING
     assert retry_level(5, 6, 286, pending) == logging.INFO
     assert retry_level(6, 6, 286, pending) == logging.WARNING
+    assert retry_level(1, 6, 286, pending, waited=True) == logging.WARNING
     assert retry_level(2, 6, 285, "Number of alive replicas (1) is less than requested "
                        "quorum (2)") == logging.WARNING
 
