@@ -81,9 +81,11 @@ CURVES: Final[dict[str, tuple[str, ...]]] = {
 }
 """Each curve's points, as ``--points`` names them."""
 CONTENDERS: Final = ("job", "same", "large")
-VARIANT: Final = re.compile(r"s[1-9][0-9]*(?:c[1-9][0-9]*)?|c[1-9][0-9]*|baseline")
+VARIANT: Final = re.compile(r"(?:s[1-9][0-9]*(?:c[1-9][0-9]*)?|c[1-9][0-9]*)(?:e[1-9][0-9]*)?"
+                            r"|baseline")
 """A ``--variants`` name: ``cN`` (N insert lanes a task), ``sN`` (N Spark task slots),
-both (``s4c2``) or ``baseline`` (the job of ``--baseline-root``)."""
+both (``s4c2``), any of these with ``eK`` (``executor_insert_concurrency`` K:
+``s4c8e8``), or ``baseline`` (the job of ``--baseline-root``)."""
 
 
 def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:

@@ -82,8 +82,10 @@ from blockagg.rows.deadletters import dead_letter_ddl
 from tests.faults.workload import COORDINATES, ROW_MESSAGE, row_descriptor_set, varint
 
 VARIANT_MODE: Final = re.compile(r"exactly_once_(?:s(?P<slots>[1-9][0-9]*))?"
-                                 r"(?:c(?P<lanes>[1-9][0-9]*))?")
-"""``exactly_once_sN``, ``exactly_once_cM`` or both (``exactly_once_s4c2``)."""
+                                 r"(?:c(?P<lanes>[1-9][0-9]*))?"
+                                 r"(?:e(?P<shared>[1-9][0-9]*))?")
+"""``exactly_once_sN``, ``exactly_once_cM`` or both (``exactly_once_s4c2``), optionally
+with ``eK``: ``executor_insert_concurrency = K`` (``exactly_once_s4c8e8``)."""
 
 
 def variant(mode: str) -> tuple[int | None, int | None]:
@@ -93,6 +95,13 @@ def variant(mode: str) -> tuple[int | None, int | None]:
         return None, None
     slots, lanes = m["slots"], m["lanes"]
     return (int(slots) if slots else None), (int(lanes) if lanes else None)
+
+
+def shared_lanes(mode: str) -> int | None:
+    """The ``executor_insert_concurrency`` a mode sets (``…eK``); None where it keeps
+    the job's."""
+    m = VARIANT_MODE.fullmatch(mode)
+    return int(m["shared"]) if m is not None and m["shared"] else None
 
 
 def task_slots(mode: str, cores: int) -> int:
@@ -332,6 +341,9 @@ class Bench:
         lanes = variant(mode)[1]
         if lanes is not None:
             serial = f"insert_concurrency = {lanes}"
+        shared = shared_lanes(mode)
+        if shared is not None:
+            serial += f"\nexecutor_insert_concurrency = {shared}"
         path = self.folder / f"{tag}.toml"
         replicas = ", ".join(f'"127.0.0.1:{p}"' for p in self.ports)
         path.write_text(f"""

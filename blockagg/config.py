@@ -305,6 +305,11 @@ class ClickHouseConfig:
     retries: int = 5
     retry_backoff: float = 1.0
     insert_concurrency: int = 4
+    executor_insert_concurrency: int = 0
+    """Inserts in flight at once across all the tasks of one executor (0: no shared
+    bound; each task runs up to ``insert_concurrency``). With it, a task's lanes take
+    one of this many executor-wide permits for each insert
+    (``aggregator.lanes.SharedPermits``)."""
     ping_after_idle: float = 5.0
     secure: bool = False
     verify: bool = True
@@ -350,6 +355,7 @@ class ClickHouseConfig:
             f"send_receive_timeout={self.send_receive_timeout}, retries={self.retries}, "
             f"retry_backoff={self.retry_backoff}, "
             f"insert_concurrency={self.insert_concurrency}, "
+            f"executor_insert_concurrency={self.executor_insert_concurrency}, "
             f"ping_after_idle={self.ping_after_idle}, secure={self.secure}, verify={self.verify}, "
             f"ca_certs={self.ca_certs!r}, settings={_masked(self.settings)!r}, "
             f"allow_small_dedup_window={self.allow_small_dedup_window}, "
@@ -1006,6 +1012,7 @@ def from_dict(
         retries=ch_t.take("retries", _int(0), 5),
         retry_backoff=ch_t.take("retry_backoff", _duration, 1.0),
         insert_concurrency=ch_t.take("insert_concurrency", _int(1, 64), 4),
+        executor_insert_concurrency=ch_t.take("executor_insert_concurrency", _int(0, 256), 0),
         ping_after_idle=ch_t.take("ping_after_idle", _duration_or_zero, 5.0),
         secure=ch_t.take("secure", _bool, False),
         verify=ch_t.take("verify", _bool, True),

@@ -11,8 +11,11 @@ holds only configuration; the live clients are cached per worker process in
 from __future__ import annotations
 
 import importlib
+import os
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from blockagg.aggregator.core.model import BlockSink, Fence, Lanes, MetadataStore
@@ -159,15 +162,40 @@ class DefaultComponents:
 
 def insert_lanes(config: Config) -> Lanes:
     """How many inserts of one seal event run at once (``clickhouse.insert_concurrency``):
-    threads kept per worker process, so each lane's connections stay warm."""
+    threads kept per worker process, so each lane's connections stay warm. With
+    ``clickhouse.executor_insert_concurrency``, every insert also holds one of the
+    executor's permits (:func:`executor_permits_dir`)."""
     from blockagg.aggregator.core.protocol import SERIAL
-    from blockagg.aggregator.lanes import ThreadLanes
+    from blockagg.aggregator.lanes import SharedPermits, ThreadLanes
 
     width = config.clickhouse.insert_concurrency
-    if width == 1:
+    shared = config.clickhouse.executor_insert_concurrency
+    if width == 1 and not shared:
         return SERIAL
-    lanes: Lanes = cached(("lanes", str(width)), lambda: ThreadLanes(width))
+    if not shared:
+        lanes: Lanes = cached(("lanes", str(width)), lambda: ThreadLanes(width))
+        return lanes
+    directory = executor_permits_dir(shared)
+    lanes = cached(("lanes", str(width), str(directory)),
+                   lambda: ThreadLanes(width, SharedPermits(directory, shared)))
     return lanes
+
+
+def executor_permits_dir(count: int) -> Path:
+    """Where this executor's insert permits live: in its Spark files directory, which
+    every Python worker of one executor shares and no other executor or application
+    does (``SparkFiles.getRootDirectory``; the system's temporary directory outside a
+    Spark task). The count is in the name, so a job restarted with another count
+    never shares permits with one still running the old."""
+    root: str | None = None
+    try:
+        from pyspark import SparkFiles
+
+        root = SparkFiles.getRootDirectory()
+    except Exception:  # not in a Spark worker (tests, the driver's own ranges)
+        root = None
+    base = Path(root) if root else Path(tempfile.gettempdir()) / f"blockagg-{os.getuid()}"
+    return base / f"insert-permits-{count}"
 
 
 class Attempt(MetadataStore, Fence, Protocol):

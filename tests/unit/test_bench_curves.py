@@ -257,7 +257,8 @@ def test_variants_run_between_the_job_and_the_limits() -> None:
     assert contenders(["c8", "s4"]) == ("job", "job_c8", "job_s4", "same", "large")
     assert contenders(["s4c2"]) == ("job", "job_s4c2", "same", "large")
     assert contenders(["baseline"]) == ("job", "job_baseline", "same", "large")
-    for bad in ("c0", "x8", "c", "s4 ", "8", "base", "c2s4", "s4c0"):
+    assert contenders(["s4c8e8"]) == ("job", "job_s4c8e8", "same", "large")
+    for bad in ("c0", "x8", "c", "s4 ", "8", "base", "c2s4", "s4c0", "e8", "s4e0"):
         with pytest.raises(CurveError, match="unknown variants"):
             contenders([bad])
 
@@ -304,3 +305,11 @@ def test_a_later_run_of_a_point_replaces_an_earlier_one() -> None:
         ("33", 2000), ("100", 2000)]
     assert [r.rows for r in on_curve(results, "partitions")] == [2000]
     assert [r.rows for r in on_curve([own_narrow, *results], "row_width")] == [3000]
+
+
+def test_a_variant_sets_slots_lanes_and_the_executors_shared_bound() -> None:
+    from bench.bench_e2e import shared_lanes, task_slots, variant
+
+    assert (variant("exactly_once_s4c8e8"), shared_lanes("exactly_once_s4c8e8")) == ((4, 8), 8)
+    assert (variant("exactly_once_s4c2"), shared_lanes("exactly_once_s4c2")) == ((4, 2), None)
+    assert (task_slots("exactly_once_c4e8", 2), shared_lanes("exactly_once_c4e8")) == (2, 8)

@@ -110,6 +110,11 @@ def test_insert_lanes_and_ping_settings() -> None:
     assert (c.clickhouse.insert_concurrency, c.clickhouse.ping_after_idle) == (1, 0.0)
     refused(MINIMAL + "\n[clickhouse]\ninsert_concurrency = 0\n",
             r"clickhouse\.insert_concurrency: must be >= 1 and <= 64, got 0")
+    assert cfg("").clickhouse.executor_insert_concurrency == 0
+    assert cfg("\n[clickhouse]\nexecutor_insert_concurrency = 8\n"
+               ).clickhouse.executor_insert_concurrency == 8
+    refused(MINIMAL + "\n[clickhouse]\nexecutor_insert_concurrency = -1\n",
+            r"clickhouse\.executor_insert_concurrency: must be >= 0 and <= 256, got -1")
     refused(MINIMAL + "\n[clickhouse]\nping_after_idle = -1\n",
             r"clickhouse\.ping_after_idle: must be 0 or more, got -1")
 

@@ -5,8 +5,12 @@ concurrent lanes; the executor still commits before and after each event."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +27,7 @@ from blockagg.aggregator.core.protocol import (
     steps,
 )
 from blockagg.aggregator.kafka.exceptions import AttemptFenced
-from blockagg.aggregator.lanes import ThreadLanes
+from blockagg.aggregator.lanes import SharedPermits, ThreadLanes
 from blockagg.exceptions import ConfigError
 from tests.unit.core.fakes import DedupSink, MemoryMetadataStore, make_batch
 from tests.unit.core.test_fencing import Coordinator, store_and_opener
@@ -264,3 +268,128 @@ def test_run_batch_inserts_in_the_partitions_order() -> None:
     assert [b.table for b in sink.inserted] == [
         op.block.table for op in insert_order(group, 3)]
     assert sink.inserted[0].table != group[0].block.table
+
+
+def _in_flight(permits: SharedPermits, width: int, inserts: int,
+               running: list[int], lock: threading.Lock) -> ThreadLanes:
+    """Lanes whose every insert counts the inserts running at once in ``running``
+    (now, most), across every lanes sharing ``running``."""
+    lanes = ThreadLanes(width, permits)
+
+    def insert() -> None:
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        threading.Event().wait(0.002)
+        with lock:
+            running[0] -= 1
+
+    lanes.run([insert for _ in range(inserts)])
+    return lanes
+
+
+def test_tasks_sharing_permits_never_exceed_them_together(tmp_path: Path) -> None:
+    """Two tasks of 4 lanes each under 3 executor-wide permits: never more than 3
+    inserts in flight between them, and every insert runs."""
+    permits = SharedPermits(tmp_path, 3)
+    lock, running = threading.Lock(), [0, 0]
+    tasks = [threading.Thread(target=_in_flight, args=(permits, 4, 60, running, lock))
+             for _ in range(2)]
+    for task in tasks:
+        task.start()
+    for task in tasks:
+        task.join(WAIT)
+    assert running[0] == 0 and 1 <= running[1] <= 3
+
+
+def test_a_task_alone_uses_every_permit(tmp_path: Path) -> None:
+    """While the executor's other tasks read, decode or have ended, one task's lanes
+    run as many inserts as there are permits (up to its own width)."""
+    permits = SharedPermits(tmp_path, 4)
+    lanes = ThreadLanes(4, permits)
+    together = threading.Barrier(4, timeout=WAIT)
+    lanes.run([together.wait for _ in range(4)])
+    lanes.close()
+
+
+def test_permits_bound_other_processes_and_a_killed_one_frees_its_own(
+        tmp_path: Path) -> None:
+    """The permits are files locked with ``flock``: a Python worker process holding
+    the only permit keeps this process's insert waiting, and once that worker is
+    killed (-9) the permit is free."""
+    ready = tmp_path / "held"
+    holder = subprocess.Popen([
+        sys.executable, "-c",
+        "import sys, time, pathlib\n"
+        "from blockagg.aggregator.lanes import SharedPermits\n"
+        f"p = SharedPermits(pathlib.Path({str(tmp_path / 'permits')!r}), 1)\n"
+        "with p.hold():\n"
+        f"    pathlib.Path({str(ready)!r}).touch()\n"
+        "    time.sleep(600)\n"])
+    try:
+        deadline = time.monotonic() + WAIT
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ready.exists()
+        permits = SharedPermits(tmp_path / "permits", 1)
+        got = threading.Event()
+
+        def insert() -> None:
+            with permits.hold():
+                got.set()
+
+        waiting = threading.Thread(target=insert)
+        waiting.start()
+        assert not got.wait(0.3)  # the other process holds the only permit
+        holder.kill()
+        holder.wait(WAIT)
+        assert got.wait(WAIT)
+        waiting.join(WAIT)
+    finally:
+        holder.kill()
+
+
+def test_a_failure_while_lanes_wait_for_permits_starts_no_further_insert(
+        tmp_path: Path) -> None:
+    """A lane that took an insert and waits for a permit does not start it once
+    another lane's insert failed."""
+    permits = SharedPermits(tmp_path, 1)
+    started: list[int] = []
+
+    def insert(i: int) -> Callable[[], None]:
+        def run() -> None:
+            started.append(i)
+            raise RuntimeError(f"insert {i} refused")
+        return run
+
+    lanes = ThreadLanes(3, permits)
+    with pytest.raises(RuntimeError, match="refused"):
+        lanes.run([insert(i) for i in range(10)])
+    assert len(started) == 1  # the other two lanes each held an insert, waiting
+    lanes.close()
+
+
+def test_permits_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="executor insert concurrency must be >= 1"):
+        SharedPermits(tmp_path, 0)
+
+
+def test_insert_lanes_follow_the_configuration(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``insert_concurrency = 1`` alone is the serial executor; with
+    ``executor_insert_concurrency`` even one lane holds a permit for each insert."""
+    from blockagg.aggregator.core.protocol import SERIAL
+    from blockagg.config import loads
+    from blockagg.spark import components
+    from tests.unit.test_config import MINIMAL
+
+    monkeypatch.setattr(components, "executor_permits_dir",
+                        lambda count: tmp_path / f"insert-permits-{count}")
+    serial = loads(MINIMAL + "[clickhouse]\ninsert_concurrency = 1\n")
+    assert components.insert_lanes(serial) is SERIAL
+    shared = loads(MINIMAL + "[clickhouse]\ninsert_concurrency = 1\n"
+                   "executor_insert_concurrency = 2\n")
+    lanes = components.insert_lanes(shared)
+    assert isinstance(lanes, ThreadLanes) and lanes.permits is not None
+    assert (lanes.width, lanes.permits.count) == (1, 2)
+    assert lanes.permits.directory == tmp_path / "insert-permits-2"
