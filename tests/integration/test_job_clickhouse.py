@@ -702,6 +702,30 @@ def test_a_task_failing_once_after_its_insert_is_retried_by_spark_and_exact(
     chjob.assert_exact()
 
 
+def test_tasks_sharing_executor_insert_permits_stay_exact_through_a_retried_task(
+        chjob: ChJob) -> None:
+    """``executor_insert_concurrency``: three task slots of four lanes share two
+    permits (lock files the Python workers take), and a task that fails after an
+    insert is retried by Spark; its worker's permits are released, the retry replays,
+    and every row lands once."""
+    from tests.faults import hooks
+
+    text = chjob.config.read_text()
+    chjob.config.write_text(text.replace(
+        "[clickhouse]\n", "[clickhouse]\ninsert_concurrency = 4\n"
+        "executor_insert_concurrency = 2\n", 1))
+    fault = chjob.tmp / "fault"
+    hooks.arm(fault, "after_insert")
+    feed = chjob.feed
+    feed.good(150)
+    out = chjob.run(master="local[3,4]", env={
+        "BLOCKAGG_COMPONENTS": "tests.faults.hooks:from_env",
+        "BLOCKAGG_FAULT_DIR": str(fault)})
+    assert hooks.fired(fault) == 1
+    assert len(batch_lines(out)) >= 2, out[-4000:]
+    chjob.assert_exact()
+
+
 def test_bad_messages_are_dead_letters_once_with_their_reason_and_the_rest_exact(
         chjob: ChJob) -> None:
     from blockagg.proto.envelope import make_envelope
