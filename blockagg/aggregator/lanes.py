@@ -42,7 +42,9 @@ class SharedPermits:
     that dies releases its permits with its file descriptors, so a killed Python
     worker never leaves a permit taken. Each thread opens its own descriptors
     (``flock`` locks an open file description, so two threads of one process exclude
-    each other too)."""
+    each other too). Of the lanes waiting for a permit, only the one holding the
+    ``queue`` file looks for a free one, every ``poll_s``; the others wait for the
+    queue in the kernel, so a crowd of waiting lanes costs no CPU."""
 
     def __init__(self, directory: Path, count: int, poll_s: float = PERMIT_POLL_S) -> None:
         if count < 1:
@@ -55,31 +57,43 @@ class SharedPermits:
         directory.mkdir(parents=True, exist_ok=True)
 
     def _descriptors(self) -> list[int]:
+        """This thread's descriptors: the ``count`` permits, then the queue."""
         fds: list[int] | None = getattr(self._local, "fds", None)
         if fds is None:
-            fds = [os.open(self.directory / f"{i}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-                   for i in range(self.count)]
+            fds = [os.open(self.directory / name, os.O_RDWR | os.O_CREAT, 0o600)
+                   for name in [*(f"{i}.lock" for i in range(self.count)), "queue"]]
             self._local.fds = fds
         return fds
+
+    def _take(self, fds: list[int], start: int) -> int | None:
+        """A permit's descriptor, locked, if one is free now."""
+        for k in range(self.count):
+            fd = fds[(start + k) % self.count]
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            return fd
+        return None
 
     @contextmanager
     def hold(self) -> Iterator[None]:
         """Hold one permit for the block of the ``with``; waits until one is free."""
         fds = self._descriptors()
         start = next(self._starts)
-        while True:
-            for k in range(self.count):
-                fd = fds[(start + k) % self.count]
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-                try:
-                    yield
-                finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                return
-            time.sleep(self.poll_s)
+        fd = self._take(fds, start)
+        if fd is None:
+            queue = fds[self.count]
+            fcntl.flock(queue, fcntl.LOCK_EX)
+            try:
+                while (fd := self._take(fds, start)) is None:
+                    time.sleep(self.poll_s)
+            finally:
+                fcntl.flock(queue, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 class ThreadLanes:

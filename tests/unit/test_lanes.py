@@ -308,7 +308,11 @@ def test_a_task_alone_uses_every_permit(tmp_path: Path) -> None:
     permits = SharedPermits(tmp_path, 4)
     lanes = ThreadLanes(4, permits)
     together = threading.Barrier(4, timeout=WAIT)
-    lanes.run([together.wait for _ in range(4)])
+
+    def insert() -> None:
+        together.wait()
+
+    lanes.run([insert for _ in range(4)])
     lanes.close()
 
 
@@ -393,3 +397,42 @@ def test_insert_lanes_follow_the_configuration(tmp_path: Path,
     assert isinstance(lanes, ThreadLanes) and lanes.permits is not None
     assert (lanes.width, lanes.permits.count) == (1, 2)
     assert lanes.permits.directory == tmp_path / "insert-permits-2"
+
+
+def test_only_one_waiting_lane_looks_for_a_permit(tmp_path: Path) -> None:
+    """Lanes waiting for a permit wait for the queue file in the kernel; only its
+    holder polls, so five waiters look about as often as one would."""
+    permits = SharedPermits(tmp_path, 1, poll_s=0.01)
+    looks = [0]
+    take = permits._take
+
+    def counted(fds: list[int], start: int) -> int | None:
+        looks[0] += 1
+        return take(fds, start)
+
+    permits._take = counted  # type: ignore[method-assign]
+    released = threading.Event()
+    held = threading.Event()
+
+    def holder() -> None:
+        with permits.hold():
+            held.set()
+            released.wait(WAIT)
+
+    def waiter() -> None:
+        with permits.hold():
+            pass
+
+    first = threading.Thread(target=holder)
+    first.start()
+    assert held.wait(WAIT)
+    waiters = [threading.Thread(target=waiter) for _ in range(5)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.3)
+    during = looks[0]
+    released.set()
+    for thread in [first, *waiters]:
+        thread.join(WAIT)
+    # one poller over 0.3 s at 10 ms: ~30 looks, plus each lane's first; five: ~150
+    assert during < 60, during
