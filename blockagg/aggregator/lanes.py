@@ -110,13 +110,20 @@ class ThreadLanes:
 
     def _start(self, insert: Callable[[], None], failed: threading.Event | None = None) -> None:
         """Run ``insert``, holding a permit if there are any; not once ``failed`` is set
-        while it waited for one."""
+        while it waited for one. A failure sets ``failed`` before its permit is
+        released, so the lane that takes the permit next sees it."""
         if self.permits is None:
             insert()
             return
         with self.permits.hold():
-            if failed is None or not failed.is_set():
+            if failed is not None and failed.is_set():
+                return
+            try:
                 insert()
+            except BaseException:
+                if failed is not None:
+                    failed.set()
+                raise
 
     def run(self, inserts: Sequence[Callable[[], None]]) -> None:
         """Run every insert; raise the first failure (in the given order) once every
