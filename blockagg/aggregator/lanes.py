@@ -22,18 +22,20 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
+import select
 import threading
-import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from blockagg.exceptions import ConfigError
 
-PERMIT_POLL_S = 0.002
-"""How long a lane waits before it looks for a free permit again (an insert takes
-tens of milliseconds)."""
+PERMIT_POLL_S = 0.05
+"""How long the waiting lane sleeps before it looks for a free permit again when no
+release woke it: a permit freed by a killed process wakes nobody (its descriptors
+close in the kernel), so this bounds how long such a permit stays idle."""
 
 
 class SharedPermits:
@@ -42,9 +44,16 @@ class SharedPermits:
     that dies releases its permits with its file descriptors, so a killed Python
     worker never leaves a permit taken. Each thread opens its own descriptors
     (``flock`` locks an open file description, so two threads of one process exclude
-    each other too). Of the lanes waiting for a permit, only the one holding the
-    ``queue`` file looks for a free one, every ``poll_s``; the others wait for the
-    queue in the kernel, so a crowd of waiting lanes costs no CPU."""
+    each other too).
+
+    Every lane asks through the ``queue`` file, so a lane that has just freed a
+    permit queues behind the lanes already waiting instead of taking it back at once
+    (when it could, the tasks that started first kept the permits and the last ran
+    on alone). Only the queue's holder looks for a free permit; the others wait for
+    the queue in the kernel, so a crowd of waiting lanes costs no CPU. A release
+    writes a byte to the ``wake`` FIFO, which the waiting lane sleeps on, so a freed
+    permit is taken at once; ``poll_s`` only bounds the sleep when no release wakes
+    it."""
 
     def __init__(self, directory: Path, count: int, poll_s: float = PERMIT_POLL_S) -> None:
         if count < 1:
@@ -55,15 +64,23 @@ class SharedPermits:
         self._local = threading.local()
         self._starts = itertools.count(os.getpid())
         directory.mkdir(parents=True, exist_ok=True)
+        with suppress(FileExistsError):
+            os.mkfifo(directory / "wake", 0o600)
 
     def _descriptors(self) -> list[int]:
-        """This thread's descriptors: the ``count`` permits, then the queue."""
-        fds: list[int] | None = getattr(self._local, "fds", None)
-        if fds is None:
+        """This thread's descriptors: the ``count`` permits, the queue, then the wake
+        FIFO's read and write ends (both non-blocking; holding a write end keeps the
+        read end from reporting end-of-file when other writers close). They close
+        when the thread ends."""
+        held: _Descriptors | None = getattr(self._local, "held", None)
+        if held is None:
             fds = [os.open(self.directory / name, os.O_RDWR | os.O_CREAT, 0o600)
                    for name in [*(f"{i}.lock" for i in range(self.count)), "queue"]]
-            self._local.fds = fds
-        return fds
+            wake = self.directory / "wake"
+            fds.append(os.open(wake, os.O_RDONLY | os.O_NONBLOCK))
+            fds.append(os.open(wake, os.O_WRONLY | os.O_NONBLOCK))
+            held = self._local.held = _Descriptors(fds)
+        return held.fds
 
     def _take(self, fds: list[int], start: int) -> int | None:
         """A permit's descriptor, locked, if one is free now."""
@@ -76,24 +93,51 @@ class SharedPermits:
             return fd
         return None
 
+    def _sleep(self, wake: int) -> None:
+        """Until a release writes to the wake FIFO, or ``poll_s``. The bytes are read
+        after the wake-up and before the next look, so a release that comes between a
+        failed look and this sleep is not missed: its byte is already waiting."""
+        waiting = select.poll()
+        waiting.register(wake, select.POLLIN)
+        waiting.poll(self.poll_s * 1000)
+        try:
+            while os.read(wake, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
     @contextmanager
     def hold(self) -> Iterator[None]:
-        """Hold one permit for the block of the ``with``; waits until one is free."""
+        """Hold one permit for the block of the ``with``; waits its turn in the queue,
+        then until one is free."""
         fds = self._descriptors()
         start = next(self._starts)
-        fd = self._take(fds, start)
-        if fd is None:
-            queue = fds[self.count]
-            fcntl.flock(queue, fcntl.LOCK_EX)
-            try:
-                while (fd := self._take(fds, start)) is None:
-                    time.sleep(self.poll_s)
-            finally:
-                fcntl.flock(queue, fcntl.LOCK_UN)
+        queue, wake_read, wake_write = fds[self.count:]
+        fcntl.flock(queue, fcntl.LOCK_EX)
+        try:
+            while (fd := self._take(fds, start)) is None:
+                self._sleep(wake_read)
+        finally:
+            fcntl.flock(queue, fcntl.LOCK_UN)
         try:
             yield
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
+            with suppress(BlockingIOError):  # full of unread wake-ups: enough to wake on
+                os.write(wake_write, b"\0")
+
+
+class _Descriptors:
+    """One thread's open permit files; closed once the thread's local data is gone."""
+
+    def __init__(self, fds: list[int]) -> None:
+        self.fds = fds
+        weakref.finalize(self, _close_all, fds)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 class ThreadLanes:

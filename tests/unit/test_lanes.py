@@ -5,6 +5,7 @@ concurrent lanes; the executor still commits before and after each event."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -436,3 +437,81 @@ def test_only_one_waiting_lane_looks_for_a_permit(tmp_path: Path) -> None:
         thread.join(WAIT)
     # one poller over 0.3 s at 10 ms: ~30 looks, plus each lane's first; five: ~150
     assert during < 60, during
+
+
+def test_a_lane_that_frees_a_permit_queues_behind_the_lanes_waiting(tmp_path: Path) -> None:
+    """One task's lane frees the only permit and asks again at once, twenty times;
+    another task's lane, waiting since the first hold, gets the permit next. (When a
+    lane could take back the permit it had just freed, the waiting one looked in
+    the microseconds between and all but never got it.)"""
+    permits = SharedPermits(tmp_path, 1)
+    order: list[str] = []
+    held, waiting = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        for i in range(20):
+            with permits.hold():
+                order.append("busy")
+                if i == 0:
+                    held.set()
+                    assert waiting.wait(WAIT)
+                threading.Event().wait(0.002)
+
+    def other() -> None:
+        assert held.wait(WAIT)
+        with permits.hold():
+            order.append("other")
+
+    threads = [threading.Thread(target=busy), threading.Thread(target=other)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.2)  # the other lane is in the queue, waiting for the permit
+    waiting.set()
+    for thread in threads:
+        thread.join(WAIT)
+    assert order.index("other") == 1, order
+
+
+def test_a_release_wakes_the_waiting_lane_without_a_poll(tmp_path: Path) -> None:
+    """A freed permit is taken at once by the lane waiting for it, not at its next
+    look: with looks a minute apart, the waiter still gets the permit."""
+    permits = SharedPermits(tmp_path, 1, poll_s=WAIT * 2)
+    release, held = threading.Event(), threading.Event()
+    got = threading.Event()
+
+    def holder() -> None:
+        with permits.hold():
+            held.set()
+            release.wait(WAIT)
+
+    def waiter() -> None:
+        with permits.hold():
+            got.set()
+
+    first = threading.Thread(target=holder)
+    first.start()
+    assert held.wait(WAIT)
+    second = threading.Thread(target=waiter)
+    second.start()
+    time.sleep(0.2)  # the waiter has looked once and sleeps
+    release.set()
+    assert got.wait(WAIT)
+    for thread in (first, second):
+        thread.join(WAIT)
+
+
+def test_a_lanes_permit_files_close_when_its_thread_ends(tmp_path: Path) -> None:
+    """Each thread opens its own descriptors of the permit files; a thread that ends
+    leaves none open (tasks' lane pools come and go with the workers)."""
+    permits = SharedPermits(tmp_path, 4)
+
+    def insert() -> None:
+        with permits.hold():
+            pass
+
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        thread = threading.Thread(target=insert)
+        thread.start()
+        thread.join(WAIT)
+    assert len(os.listdir("/proc/self/fd")) == before
