@@ -64,8 +64,16 @@ class SharedPermits:
         self._local = threading.local()
         self._starts = itertools.count(os.getpid())
         directory.mkdir(parents=True, exist_ok=True)
-        with suppress(FileExistsError):
+        try:
             os.mkfifo(directory / "wake", 0o600)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ConfigError(
+                f"executor insert permits need lock files and a FIFO in {directory}, "
+                f"which refused the FIFO: {exc}; give the executors a local "
+                "spark.local.dir or set clickhouse.executor_insert_concurrency = 0"
+            ) from exc
 
     def _descriptors(self) -> list[int]:
         """This thread's descriptors: the ``count`` permits, the queue, then the wake

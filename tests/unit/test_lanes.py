@@ -515,3 +515,16 @@ def test_a_lanes_permit_files_close_when_its_thread_ends(tmp_path: Path) -> None
         thread.start()
         thread.join(WAIT)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_permits_directory_without_fifos_is_a_clear_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that refuses the wake FIFO stops the job at its lanes, naming the
+    directory and the two ways out, instead of an insert failing later."""
+    def refuse(path: Any, mode: int = 0o666) -> None:
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(os, "mkfifo", refuse)
+    with pytest.raises(ConfigError, match="executor_insert_concurrency = 0") as info:
+        SharedPermits(tmp_path / "permits", 2)
+    assert str(tmp_path / "permits") in str(info.value)
