@@ -400,6 +400,22 @@ def test_insert_lanes_follow_the_configuration(tmp_path: Path,
     assert lanes.permits.directory == tmp_path / "insert-permits-2"
 
 
+def _holding(permits: SharedPermits) -> tuple[threading.Thread, threading.Event]:
+    """A thread that holds one of ``permits`` until the returned event is set;
+    returns once it holds it."""
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with permits.hold():
+            held.set()
+            release.wait(WAIT)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    assert held.wait(WAIT)
+    return thread, release
+
+
 def test_only_one_waiting_lane_looks_for_a_permit(tmp_path: Path) -> None:
     """Lanes waiting for a permit wait for the queue file in the kernel; only its
     holder polls, so five waiters look about as often as one would."""
@@ -412,21 +428,12 @@ def test_only_one_waiting_lane_looks_for_a_permit(tmp_path: Path) -> None:
         return take(fds, start)
 
     permits._take = counted  # type: ignore[method-assign]
-    released = threading.Event()
-    held = threading.Event()
-
-    def holder() -> None:
-        with permits.hold():
-            held.set()
-            released.wait(WAIT)
+    first, released = _holding(permits)
 
     def waiter() -> None:
         with permits.hold():
             pass
 
-    first = threading.Thread(target=holder)
-    first.start()
-    assert held.wait(WAIT)
     waiters = [threading.Thread(target=waiter) for _ in range(5)]
     for w in waiters:
         w.start()
@@ -476,21 +483,13 @@ def test_a_release_wakes_the_waiting_lane_without_a_poll(tmp_path: Path) -> None
     """A freed permit is taken at once by the lane waiting for it, not at its next
     look: with looks a minute apart, the waiter still gets the permit."""
     permits = SharedPermits(tmp_path, 1, poll_s=WAIT * 2)
-    release, held = threading.Event(), threading.Event()
+    first, release = _holding(permits)
     got = threading.Event()
-
-    def holder() -> None:
-        with permits.hold():
-            held.set()
-            release.wait(WAIT)
 
     def waiter() -> None:
         with permits.hold():
             got.set()
 
-    first = threading.Thread(target=holder)
-    first.start()
-    assert held.wait(WAIT)
     second = threading.Thread(target=waiter)
     second.start()
     time.sleep(0.2)  # the waiter has looked once and sleeps
