@@ -47,8 +47,10 @@ nested) share one buffer layout and its varint kernels.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Final
 
 import numpy as np
@@ -59,6 +61,19 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from blockagg.proto.descriptors import is_repeated, message_class
+
+
+def _compiled_scan() -> ModuleType | None:
+    """``blockagg.proto._wirescan`` (``_wirescan.c``, built by ``pip install``), or None
+    where it was not built (no C compiler) or cannot load (imported from a zip, as
+    ``--py-files`` ships the package): the numpy scan then records the same occurrences."""
+    try:
+        return importlib.import_module("blockagg.proto._wirescan")
+    except ImportError:
+        return None
+
+
+_wirescan = _compiled_scan()
 
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
@@ -410,9 +425,13 @@ def _read_varint(buf: U8, pos: I64, err: npt.NDArray[np.int8], rows: I64) -> tup
 
 
 def _load8(buf: U8, pos: I64) -> U64:
-    """The 8 bytes at each ``pos`` as a little-endian ``uint64``: two aligned words
-    around them, shifted together (1-D ``take``s, cheaper than gathering 8-byte rows
+    """The 8 bytes at each ``pos`` as a little-endian ``uint64``: compiled, or two aligned
+    words around them, shifted together (1-D ``take``s, cheaper than gathering 8-byte rows
     of a strided view). ``pos`` lie before the buffer's :data:`PAD` zero bytes."""
+    if _wirescan is not None and buf.flags.c_contiguous:
+        out = np.empty(pos.size, dtype=np.uint64)
+        _wirescan.load8(buf, np.ascontiguousarray(pos, dtype=np.int64), out)
+        return out
     words = buf[:buf.size - buf.size % 8].view("<u8")
     q = pos >> 3
     shift = ((pos & 7) << 3).astype(np.uint64)
@@ -461,12 +480,18 @@ the driver's progress poll, and the JVM's share of a warm batch")."""
 
 def _gather_ranges(buf: U8, starts: I64, lengths: I64) -> tuple[U8, I64]:
     """Concatenate ``buf[s:s+l]`` for every range; returns the bytes and the Arrow
-    offsets (``len(starts) + 1`` of them)."""
+    offsets (``len(starts) + 1`` of them). Compiled, a copy per range; else by whichever
+    numpy path costs least for the ranges' lengths and spread."""
     offsets = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     total = int(offsets[-1])
     if total == 0:
         return np.zeros(0, dtype=np.uint8), offsets
+    if _wirescan is not None and buf.flags.c_contiguous:
+        out = np.empty(total, dtype=np.uint8)
+        _wirescan.gather(buf, np.ascontiguousarray(starts, dtype=np.int64),
+                         np.ascontiguousarray(lengths, dtype=np.int64), out)
+        return out, offsets
     nonempty = lengths > 0
     s, n = starts[nonempty], lengths[nonempty]
     if total >= _LONG_RANGE_BYTES * s.size:
@@ -501,8 +526,9 @@ class _Field:
     """Accumulates one field's occurrences across steps."""
 
     __slots__ = ("elem_pos", "elem_rows", "elem_vals", "fd", "last_step", "oneof_seen",
-                 "pack_len", "pack_pos", "pack_rows", "pack_step", "packable", "present",
-                 "repeated", "single_len", "single_step", "value", "watch_repeats")
+                 "ordered", "pack_len", "pack_pos", "pack_rows", "pack_step", "packable",
+                 "present", "repeated", "single_len", "single_step", "value",
+                 "watch_repeats")
 
     def __init__(self, fd: FieldDescriptor, n: int, oneof_seen: Bools | None) -> None:
         self.fd = fd
@@ -517,6 +543,9 @@ class _Field:
         self.pack_len: list[I64] = []
         self.pack_step: list[I64] = []
         self.single_len: list[I64] = []
+        # The compiled scan records a repeated field's values already in row, then wire
+        # order (packed runs' values in place), so they need no sort.
+        self.ordered = False
         self.repeated = is_repeated(fd)
         # Only repeated scalars (numbers, bools, enums) have a packed encoding.
         self.packable = self.repeated and fd.type not in _LEN_TYPES
@@ -532,21 +561,29 @@ class _Field:
                           if fd.containing_oneof is not None else None)
 
 
+def _fields(desc: Descriptor, n: int) -> dict[int, _Field]:
+    """An empty accumulator per field of ``desc``, by number, for ``n`` rows; the members
+    of a oneof share one "seen" flag per row."""
+    # Oneofs of one member (proto3 ``optional``) behave like any singular field.
+    seen = {oneof.full_name: np.zeros(n, dtype=np.bool_)
+            for oneof in desc.oneofs if len(oneof.fields) > 1}
+    return {fd.number: _Field(fd, n, None if fd.containing_oneof is None
+                              else seen.get(fd.containing_oneof.full_name))
+            for fd in desc.fields}
+
+
 def _decode_message(
     desc: Descriptor, buf: U8, starts: I64, ends: I64, err: npt.NDArray[np.int8],
     spans: frozenset[str] = frozenset(), found: dict[str, Spans] | None = None,
 ) -> dict[str, pa.Array]:
     n = starts.size
-    # Oneofs of one member (proto3 ``optional``) behave like any singular field.
-    seen = {oneof.full_name: np.zeros(n, dtype=np.bool_)
-            for oneof in desc.oneofs if len(oneof.fields) > 1}
-    fields = {fd.number: _Field(fd, n, None if fd.containing_oneof is None
-                                else seen.get(fd.containing_oneof.full_name))
-              for fd in desc.fields}
+    fields = _fields(desc, n)
     expected = {number: _expected_wire_type(f.fd) for number, f in fields.items()}
     max_number = max(fields, default=0)
     map_entry = bool(desc.GetOptions().map_entry)
     extension_ranges = [(int(a), int(b)) for a, b in desc.extension_ranges]
+    if _scanned(desc, fields, buf, starts, ends):
+        return _finished(desc, fields, buf, err, n, spans, found)
     keep = starts < ends
     act = np.flatnonzero(keep)
     pos = starts[act]
@@ -664,12 +701,102 @@ def _decode_message(
             latest = np.max([m.last_step for m in members if m.last_step is not None], axis=0)
             for m in members:
                 m.present &= m.last_step == latest
+    return _finished(desc, fields, buf, err, n, spans, found)
+
+
+def _finished(desc: Descriptor, fields: dict[int, _Field], buf: U8, err: npt.NDArray[np.int8],
+              n: int, spans: frozenset[str], found: dict[str, Spans] | None
+              ) -> dict[str, pa.Array]:
+    """The columns of the recorded ``fields`` (and ``spans`` into ``found``)."""
     if spans and found is not None:
         for f in fields.values():
             if f.fd.name in spans:
                 found[f.fd.name] = _spans(f, n)
     return {f.fd.name: _finish(f, buf, err, n) for f in fields.values()
             if f.fd.name not in spans}
+
+
+_SCAN_MAX_NUMBER: Final = 4096
+"""Above this field number a message keeps the numpy scan (the compiled scan's table
+holds an entry per number up to the largest)."""
+_SCAN_REPEATED: Final = 0x10
+_SCAN_PACKABLE: Final = 0x20
+_SCAN_WATCH: Final = 0x40
+
+
+def _scan_spec(desc: Descriptor, fields: dict[int, _Field]
+               ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]] | None:
+    """The compiled scan's tables for ``desc`` (see ``_wirescan.c``): an entry per field
+    number, and per slot the slot whose "seen" flag it shares (a oneof's members share
+    their first's: a second member sends the row to upb, as in :func:`_record`, so at most
+    one is present and no case needs resolving). None for a message the scan does not
+    serve: a map entry, extension ranges, groups, numbers above
+    :data:`_SCAN_MAX_NUMBER`."""
+    if (desc.GetOptions().map_entry or desc.extension_ranges
+            or any(fd.type == _T.TYPE_GROUP for fd in desc.fields)
+            or max(fields, default=0) > _SCAN_MAX_NUMBER):
+        return None
+    spec = np.full(max(fields, default=0) + 1, -1, dtype=np.int32)
+    groups = np.arange(len(fields), dtype=np.int32)
+    first_member: dict[int, int] = {}
+    for slot, (number, f) in enumerate(sorted(fields.items())):
+        spec[number] = ((slot << 8) | _expected_wire_type(f.fd)
+                        | (_SCAN_REPEATED if f.repeated else 0)
+                        | (_SCAN_PACKABLE if f.packable else 0)
+                        | (_SCAN_WATCH if f.watch_repeats else 0))
+        if f.oneof_seen is not None:
+            groups[slot] = first_member.setdefault(id(f.oneof_seen), slot)
+    return spec, groups
+
+
+def _scanned(desc: Descriptor, fields: dict[int, _Field], buf: U8, starts: I64,
+             ends: I64) -> bool:
+    """Record every field occurrence of the rows with the compiled scan, one pass per row,
+    into ``fields`` as the lock-step loop of :func:`_decode_message` records them; False
+    (nothing recorded) when the scan is not compiled, does not serve ``desc``
+    (:func:`_scan_spec`), or finds a row that is not *regular* (``_wirescan.c``): one on
+    which the lock step sets no error code. So a row that is damaged, or that upb must
+    decide, is always decided by the numpy scan, and both give the same columns."""
+    if _wirescan is None:
+        return False
+    tables = _scan_spec(desc, fields)
+    if tables is None:
+        return False
+    spec, groups = tables
+    buf = np.ascontiguousarray(buf, dtype=np.uint8)
+    starts = np.ascontiguousarray(starts, dtype=np.int64)
+    ends = np.ascontiguousarray(ends, dtype=np.int64)
+    ordered = [f for _, f in sorted(fields.items())]
+    counts = np.zeros(len(ordered), dtype=np.int64)
+    if not _wirescan.count(buf, starts, ends, spec, groups, counts):
+        return False
+    n = starts.size
+    outs: list[tuple[npt.NDArray[Any], ...]] = []
+    for k, f in enumerate(ordered):
+        if not f.repeated:
+            lengths = np.zeros(n if _expected_wire_type(f.fd) == _WT_LEN else 0, dtype=np.int64)
+            outs.append((f.present.view(np.uint8), f.value, lengths))
+            if lengths.size:
+                f.single_len.append(lengths)
+            continue
+        elements = int(counts[k])
+        kind = _expected_wire_type(f.fd)
+        rows, steps = np.empty(elements, dtype=np.int64), np.empty(elements, dtype=np.int64)
+        values = np.empty(elements, dtype=np.uint64)
+        lengths = np.empty(elements if kind == _WT_LEN else 0, dtype=np.int64)
+        outs.append((rows, steps, values, lengths))
+        f.ordered = True
+        if elements:
+            f.elem_rows.append(rows)
+            f.single_step.append(steps)
+            if kind == _WT_VARINT:
+                f.elem_vals.append(values)
+            else:
+                f.elem_pos.append(values.view(np.int64))
+                if kind == _WT_LEN:
+                    f.single_len.append(lengths)
+    _wirescan.fill(buf, starts, ends, spec, groups, outs)
+    return True
 
 
 def _mark(err: npt.NDArray[np.int8], rows: I64, code: int) -> None:
@@ -919,8 +1046,9 @@ def _finish_repeated(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> p
         pos = np.concatenate(f.elem_pos) if f.elem_pos else np.zeros(0, dtype=np.int64)
         lens = np.concatenate(f.single_len) if f.single_len else np.zeros(0, dtype=np.int64)
         rows = np.concatenate(rows_parts) if rows_parts else np.zeros(0, dtype=np.int64)
-        order = np.argsort(rows, kind="stable")
-        rows, pos, lens = rows[order], pos[order], lens[order]
+        if not f.ordered:
+            order = np.argsort(rows, kind="stable")
+            rows, pos, lens = rows[order], pos[order], lens[order]
         values = _len_values(fd, buf, pos, lens, rows, err, None)
         if _is_map(fd):
             rows, values = _map_entries(rows, values)
@@ -954,6 +1082,8 @@ def _finish_repeated(f: _Field, buf: U8, err: npt.NDArray[np.int8], n: int) -> p
     if not rows_parts:
         rows = np.zeros(0, dtype=np.int64)
         raw = np.zeros(0, dtype=np.uint64)
+    elif f.ordered:
+        rows, raw = np.concatenate(rows_parts), np.concatenate(raw_parts)
     else:
         rows = np.concatenate(rows_parts)
         raw = np.concatenate(raw_parts)
@@ -976,12 +1106,13 @@ def _spans(f: _Field, n: int) -> Spans:
     pos = np.concatenate(f.elem_pos) if f.elem_pos else np.zeros(0, dtype=np.int64)
     lens = np.concatenate(f.single_len) if f.single_len else np.zeros(0, dtype=np.int64)
     rows = np.concatenate(f.elem_rows) if f.elem_rows else np.zeros(0, dtype=np.int64)
-    order = np.argsort(rows, kind="stable")
-    rows, pos = rows[order], pos[order]
+    if not f.ordered:
+        order = np.argsort(rows, kind="stable")
+        rows, pos, lens = rows[order], pos[order], lens[order]
     counts = np.bincount(rows, minlength=n) if rows.size else np.zeros(n, dtype=np.int64)
     bounds = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=bounds[1:])
-    return Spans(pos, pos + lens[order], bounds)
+    return Spans(pos, pos + lens, bounds)
 
 
 def _packed_varints(data: U8, offsets: I64, owners: I64, err: npt.NDArray[np.int8]

@@ -27,6 +27,8 @@ from blockagg.proto.decode import (
 )
 from blockagg.proto.descriptors import compile_proto, is_repeated, load_descriptor, message_class
 
+pytestmark = pytest.mark.usefixtures("wire_scan")
+
 I32 = st.integers(-(2**31), 2**31 - 1)
 I64 = st.integers(-(2**63), 2**63 - 1)
 U32 = st.integers(0, 2**32 - 1)

@@ -6,7 +6,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockagg.proto.blockagg.v1.envelope_pb2 import Envelope
@@ -19,6 +19,8 @@ from blockagg.proto.envelope import (
     parse_envelope,
     parse_envelopes,
 )
+
+pytestmark = pytest.mark.usefixtures("wire_scan")
 
 
 def test_roundtrip() -> None:
@@ -53,6 +55,7 @@ def test_no_rows_rejected() -> None:
     assert result.table == "db.t"
 
 
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=200))
 def test_never_raises(data: bytes) -> None:
     result = parse_envelope(data)
@@ -71,7 +74,8 @@ ENVELOPE_PARTS = st.one_of(
 )
 
 
-@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@settings(max_examples=200, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.lists(ENVELOPE_PARTS, min_size=1, max_size=2).map(b"".join), max_size=12))
 def test_spans_are_where_the_rows_column_copies_from(values: list[bytes]) -> None:
     """``decode_ranges(..., spans={"rows"})`` (the envelope's rows left in place) points
@@ -99,7 +103,8 @@ def test_spans_are_where_the_rows_column_copies_from(values: list[bytes]) -> Non
     assert [rows[i] for i in good] == [listed[i] for i in good]
 
 
-@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@settings(max_examples=200, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(ENVELOPE_PARTS, st.none()), max_size=12))
 def test_bulk_envelopes_parse_like_parse_envelope(values: list[bytes | None]) -> None:
     """:func:`parse_envelopes` (rows left in place, or copied when upb had to decide
@@ -126,7 +131,8 @@ def test_an_envelope_upb_must_decide_parses_alike() -> None:
     assert list(parse_envelopes(values)) == [parse_envelope(v) for v in values]
 
 
-@settings(max_examples=200, derandomize=True, database=None, deadline=None)
+@settings(max_examples=200, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.one_of(ENVELOPE_PARTS, st.none()), max_size=12), st.data())
 def test_joined_values_are_the_values_and_parse_alike(values: list[bytes | None],
                                                       data: st.DataObject) -> None:
