@@ -1,24 +1,26 @@
 /* The protobuf wire scan of blockagg.proto.decode, compiled: one pass per row instead of
- * numpy's lock step across rows.
+ * numpy's lock step across rows, and the byte gathers and fixed-width loads around it.
  *
  * It reads only rows it can prove *regular*: every tag of at most 5 bytes, below 2**32,
  * field number above 0, wire type 0, 1, 2 or 5, every varint ending within 10 bytes and
  * inside the row, every length prefix of at most 5 bytes and within the row, every fixed
- * value inside the row, and no second occurrence of a singular field the caller marks
+ * value inside the row, every packed run whole (its varints ending inside it, its length
+ * a multiple of its width), and no second occurrence of a singular field the caller marks
  * watched. On such rows numpy's lock-step scan sets no error code, so both record the same
- * occurrences. On anything else `count` answers False, and the caller runs the numpy scan
+ * occurrences. On anything else `scan` answers None, and the caller runs the numpy scan
  * over all the rows: what to make of a damaged row stays decided in one place.
  *
  * spec: one int32 per field number 0..max: -1 for a number the message does not declare,
  * else (slot << 8) | flags, flags: bits 0-2 the expected wire type, FL_REPEATED,
  * FL_PACKABLE, FL_WATCH (below); groups: one int32 per slot, the slot whose "seen" flag a
- * watched slot shares (the members of one oneof share one: upb's case changes). The outputs are the caller's numpy arrays, by slot: a
- * singular slot's (present u8[n], value u64[n], length i64[n] or empty), as the lock step
- * leaves them (the last occurrence's value); a repeated slot's (rows, steps, values,
- * lengths), sized from `count`, one element per value in row order, then wire order, a
- * packed run's values in place of its tag. A step is the index of the tag within its row,
- * the lock step's iteration at which numpy records it. Values are a varint's value, or
- * where a fixed or length-delimited value's bytes start in the buffer.
+ * watched slot shares (the members of one oneof share one: upb's case changes).
+ * A singular slot is written into the caller's numpy arrays (present u8[n], value u64[n],
+ * length i64[n] or empty), as the lock step leaves them: the last occurrence's value. A
+ * repeated slot comes back as four bytearrays (rows i64, steps i64, values u64, lengths
+ * i64), one element per value in row order, then wire order, a packed run's values in
+ * place of its tag. A step is the index of the tag within its row, the lock step's
+ * iteration at which numpy records it. A value is a varint's value, or where a fixed or
+ * length-delimited value's bytes start in the buffer.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -50,63 +52,68 @@ static inline int read_varint(const uint8_t **p, const uint8_t *end, int max_byt
     return 0;
 }
 
-/* One field occurrence, as the scan hands it to a visitor. */
+/* A growing array of 8-byte elements. */
 typedef struct {
-    int64_t row, step;
-    int32_t entry;  /* spec entry, -1 when unknown */
-    int wt;
-    uint64_t value; /* varint value, or the length of a length-delimited value */
-    int64_t dpos;   /* where a fixed or length-delimited value's bytes start */
-} occurrence;
+    uint64_t *data;
+    Py_ssize_t size, capacity;
+} vec;
+
+static inline int push(vec *v, uint64_t x) {
+    if (v->size == v->capacity) {
+        Py_ssize_t capacity = v->capacity ? 2 * v->capacity : 256;
+        uint64_t *data = PyMem_Realloc(v->data, (size_t)capacity * 8);
+        if (!data)
+            return 0;
+        v->data = data;
+        v->capacity = capacity;
+    }
+    v->data[v->size++] = x;
+    return 1;
+}
 
 typedef struct {
-    Py_buffer buf[4];
+    Py_buffer single[3]; /* a singular slot's present, value, length */
     int held;
-    int64_t elements;  /* fill cursor of a repeated slot */
+    vec rep[4];          /* a repeated slot's rows, steps, values, lengths */
 } slot_out;
 
 typedef struct {
     const int32_t *spec;
     Py_ssize_t spec_len;
     const int32_t *groups; /* per slot: its index in `seen` */
-    int64_t *counts;      /* count: elements per slot */
-    slot_out *outs;       /* fill */
-    uint8_t *seen;        /* per slot, for FL_WATCH: reset per row */
+    slot_out *outs;
+    uint8_t *seen;         /* per slot, for FL_WATCH: reset per row */
     Py_ssize_t slots;
+    int no_memory;
 } scan_state;
 
-#define FITS(b, k) ((Py_ssize_t)(8 * ((k) + 1)) <= (b).len)
-
-/* Write one occurrence to a slot's arrays; 0 when they have no room for it. */
-static inline int record(slot_out *o, int32_t entry, int64_t row, int64_t step, int wt,
-                         uint64_t value, int64_t dpos) {
+/* Record one occurrence; 0 when a singular slot's arrays have no room, or memory ran out. */
+static inline int record(scan_state *st, slot_out *o, int32_t entry, int64_t row,
+                         int64_t step, int wt, uint64_t value, int64_t dpos) {
+    uint64_t where = wt == WT_VARINT ? value : (uint64_t)dpos;
     if (!(entry & FL_REPEATED)) {
-        if (row >= o->buf[0].len || !FITS(o->buf[1], row)
-            || (wt == WT_LEN && !FITS(o->buf[2], row)))
+        if (row >= o->single[0].len || 8 * (row + 1) > o->single[1].len
+            || (wt == WT_LEN && 8 * (row + 1) > o->single[2].len))
             return 0;
-        ((uint8_t *)o->buf[0].buf)[row] = 1;
-        ((uint64_t *)o->buf[1].buf)[row] = wt == WT_VARINT ? value : (uint64_t)dpos;
+        ((uint8_t *)o->single[0].buf)[row] = 1;
+        ((uint64_t *)o->single[1].buf)[row] = where;
         if (wt == WT_LEN)
-            ((int64_t *)o->buf[2].buf)[row] = (int64_t)value;
+            ((int64_t *)o->single[2].buf)[row] = (int64_t)value;
         return 1;
     }
-    int64_t k = o->elements++;
-    if (!FITS(o->buf[0], k) || !FITS(o->buf[1], k) || !FITS(o->buf[2], k)
-        || (wt == WT_LEN && !FITS(o->buf[3], k)))
+    if (!push(&o->rep[0], (uint64_t)row) || !push(&o->rep[1], (uint64_t)step)
+        || !push(&o->rep[2], where) || (wt == WT_LEN && !push(&o->rep[3], value))) {
+        st->no_memory = 1;
         return 0;
-    ((int64_t *)o->buf[0].buf)[k] = row;
-    ((int64_t *)o->buf[1].buf)[k] = step;
-    ((uint64_t *)o->buf[2].buf)[k] = wt == WT_VARINT ? value : (uint64_t)dpos;
-    if (wt == WT_LEN)
-        ((int64_t *)o->buf[3].buf)[k] = (int64_t)value;
+    }
     return 1;
 }
 
-/* The elements of a packed run of `expected` wire type at [q, end) as occurrences of the
- * tag's step, counted or recorded; 0 when the run is not regular (a varint cut off or over
- * 10 bytes, a length not a multiple of the width). */
-static int packed_run(scan_state *st, Py_ssize_t slot, int32_t entry, int expected,
-                      int64_t row, int64_t step, const uint8_t *base, const uint8_t *q,
+/* The values of a packed run of `expected` wire type at [q, end), as occurrences of the
+ * tag's step; 0 when the run is not whole (a varint cut off or over 10 bytes, a length not
+ * a multiple of the width). */
+static int packed_run(scan_state *st, slot_out *o, int32_t entry, int expected, int64_t row,
+                      int64_t step, const uint8_t *base, const uint8_t *q,
                       const uint8_t *end) {
     int64_t width = expected == WT_I64 ? 8 : expected == WT_I32 ? 4 : 0;
     if (width && (end - q) % width)
@@ -118,20 +125,17 @@ static int packed_run(scan_state *st, Py_ssize_t slot, int32_t entry, int expect
             q += width;
         else if (!read_varint(&q, end, 10, &value))
             return 0;
-        if (st->counts)
-            st->counts[slot] += 1;
-        else if (!record(&st->outs[slot], entry, row, step, expected, value, dpos))
+        if (!record(st, o, entry, row, step, expected, value, dpos))
             return 0;
     }
     return 1;
 }
 
-/* Scan row [p, end); 0 when it is not regular. With `outs`, record its occurrences. */
+/* Scan and record row [p, end); 0 when it is not regular. */
 static int scan_row(scan_state *st, int64_t row, const uint8_t *base, const uint8_t *p,
                     const uint8_t *end) {
     int64_t step = 0;
-    if (st->seen)
-        memset(st->seen, 0, (size_t)st->slots);
+    memset(st->seen, 0, (size_t)st->slots);
     while (p < end) {
         uint64_t tag, value = 0;
         if (!read_varint(&p, end, 5, &tag) || tag > 0xFFFFFFFFull || (tag >> 3) == 0)
@@ -164,23 +168,20 @@ static int scan_row(scan_state *st, int64_t row, const uint8_t *base, const uint
         }
         int32_t entry = (Py_ssize_t)number < st->spec_len ? st->spec[number] : -1;
         if (entry >= 0) {
-            Py_ssize_t slot = entry >> 8;
+            slot_out *o = &st->outs[entry >> 8];
             int expected = entry & 7;
-            int packed = wt == WT_LEN && wt != expected && (entry & FL_PACKABLE);
-            if (packed) {
+            if (wt == WT_LEN && wt != expected && (entry & FL_PACKABLE)) {
                 const uint8_t *run = base + dpos;
-                if (!packed_run(st, slot, entry, expected, row, step, base, run, run + value))
+                if (!packed_run(st, o, entry, expected, row, step, base, run, run + value))
                     return 0;
             } else if (wt == expected) {
                 if (!(entry & FL_REPEATED) && (entry & FL_WATCH)) {
-                    int32_t group = st->groups[slot];
+                    int32_t group = st->groups[entry >> 8];
                     if (st->seen[group])
                         return 0;
                     st->seen[group] = 1;
                 }
-                if (st->counts)
-                    st->counts[slot] += (entry & FL_REPEATED) ? 1 : 0;
-                else if (!record(&st->outs[slot], entry, row, step, wt, value, dpos))
+                if (!record(st, o, entry, row, step, wt, value, dpos))
                     return 0;
             }
         }
@@ -221,22 +222,6 @@ fail:
     return 0;
 }
 
-static int scan_rows(scan_state *st, Py_buffer *buf, Py_buffer *starts, Py_buffer *ends) {
-    const uint8_t *base = buf->buf;
-    const int64_t *s = starts->buf, *e = ends->buf;
-    Py_ssize_t n = starts->len / 8;
-    int regular = 1;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!scan_row(st, i, base, base + s[i], base + e[i])) {
-            regular = 0;
-            break;
-        }
-    }
-    Py_END_ALLOW_THREADS
-    return regular;
-}
-
 /* The spec's slots (one past the highest); groups: an int32 per slot, each in [0, slots). */
 static int check_spec(Py_buffer *spec, Py_buffer *groups, Py_ssize_t *slots) {
     if (spec->len % 4) {
@@ -262,54 +247,48 @@ static int check_spec(Py_buffer *spec, Py_buffer *groups, Py_ssize_t *slots) {
     return 1;
 }
 
-/* count(buf, starts, ends, spec, groups, counts) -> bool: whether every row is regular; counts
- * (int64, one per slot) gets each repeated slot's elements, packed ones included. */
-static PyObject *count(PyObject *self, PyObject *args) {
-    PyObject *buf_obj, *starts_obj, *ends_obj;
-    Py_buffer buf, starts, ends, spec, groups, counts;
-    if (!PyArg_ParseTuple(args, "OOOy*y*w*", &buf_obj, &starts_obj, &ends_obj, &spec, &groups,
-                          &counts))
+/* The repeated slots' arrays, as the list `scan` returns (None for a singular slot). */
+static PyObject *repeated_arrays(slot_out *outs, Py_ssize_t slots) {
+    PyObject *list = PyList_New(slots);
+    if (!list)
         return NULL;
-    PyObject *result = NULL;
-    uint8_t *seen = NULL;
-    Py_ssize_t slots;
-    if (!get_rows(buf_obj, starts_obj, ends_obj, &buf, &starts, &ends))
-        goto out;
-    if (!check_spec(&spec, &groups, &slots))
-        goto rows;
-    if (counts.len < (Py_ssize_t)(8 * slots)) {
-        PyErr_SetString(PyExc_ValueError, "counts: an int64 per slot");
-        goto rows;
+    for (Py_ssize_t k = 0; k < slots; k++) {
+        if (outs[k].held) {
+            Py_INCREF(Py_None);
+            PyList_SET_ITEM(list, k, Py_None);
+            continue;
+        }
+        PyObject *arrays = PyTuple_New(4);
+        if (!arrays) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, k, arrays);
+        for (int j = 0; j < 4; j++) {
+            PyObject *b = PyByteArray_FromStringAndSize((const char *)outs[k].rep[j].data,
+                                                        8 * outs[k].rep[j].size);
+            if (!b) {
+                Py_DECREF(list);
+                return NULL;
+            }
+            PyTuple_SET_ITEM(arrays, j, b);
+        }
     }
-    memset(counts.buf, 0, (size_t)counts.len);
-    seen = PyMem_Calloc((size_t)slots + 1, 1);
-    if (!seen) {
-        PyErr_NoMemory();
-        goto rows;
-    }
-    scan_state st = {spec.buf, spec.len / 4, groups.buf, counts.buf, NULL, seen, slots};
-    result = PyBool_FromLong(scan_rows(&st, &buf, &starts, &ends));
-    PyMem_Free(seen);
-rows:
-    PyBuffer_Release(&buf);
-    PyBuffer_Release(&starts);
-    PyBuffer_Release(&ends);
-out:
-    PyBuffer_Release(&spec);
-    PyBuffer_Release(&groups);
-    PyBuffer_Release(&counts);
-    return result;
+    return list;
 }
 
-/* fill(buf, starts, ends, spec, groups, outs) -> None: records every occurrence into `outs` (a
- * sequence, one tuple of writable arrays per slot, sized from `count`). */
-static PyObject *fill(PyObject *self, PyObject *args) {
-    PyObject *buf_obj, *starts_obj, *ends_obj, *outs_obj;
+/* scan(buf, starts, ends, spec, groups, singular) -> list | None: records every field
+ * occurrence of the rows buf[starts[i]:ends[i]], each singular slot's into the arrays
+ * `singular[slot]` holds (a tuple of 3; None for a repeated slot); returns the repeated
+ * slots' arrays, or None, having recorded a part, when a row is not regular (or a
+ * singular slot's arrays have no room for it). */
+static PyObject *scan(PyObject *self, PyObject *args) {
+    PyObject *buf_obj, *starts_obj, *ends_obj, *singular_obj;
     Py_buffer buf, starts, ends, spec, groups;
     if (!PyArg_ParseTuple(args, "OOOy*y*O", &buf_obj, &starts_obj, &ends_obj, &spec, &groups,
-                          &outs_obj))
+                          &singular_obj))
         return NULL;
-    PyObject *result = NULL, *outs_seq = NULL;
+    PyObject *result = NULL, *singular = NULL;
     slot_out *outs = NULL;
     uint8_t *seen = NULL;
     Py_ssize_t slots = 0;
@@ -317,11 +296,11 @@ static PyObject *fill(PyObject *self, PyObject *args) {
         goto out;
     if (!check_spec(&spec, &groups, &slots))
         goto rows;
-    outs_seq = PySequence_Fast(outs_obj, "outs: a sequence of tuples");
-    if (!outs_seq)
+    singular = PySequence_Fast(singular_obj, "singular: a sequence, an item per slot");
+    if (!singular)
         goto rows;
-    if (PySequence_Fast_GET_SIZE(outs_seq) < slots) {
-        PyErr_SetString(PyExc_ValueError, "outs: one tuple per slot");
+    if (PySequence_Fast_GET_SIZE(singular) != slots) {
+        PyErr_SetString(PyExc_ValueError, "singular: an item per slot");
         goto rows;
     }
     outs = PyMem_Calloc((size_t)slots + 1, sizeof(slot_out));
@@ -330,34 +309,56 @@ static PyObject *fill(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto release;
     }
-    for (Py_ssize_t k = 0; k < slots; k++) {
-        PyObject *t = PySequence_Fast_GET_ITEM(outs_seq, k);
-        if (!PyTuple_Check(t) || (PyTuple_GET_SIZE(t) != 3 && PyTuple_GET_SIZE(t) != 4)) {
-            PyErr_SetString(PyExc_ValueError, "outs: 3 arrays a singular slot, 4 a repeated");
+    const int32_t *entries = spec.buf;
+    for (Py_ssize_t i = 0; i < spec.len / 4; i++) {
+        if (entries[i] < 0)
+            continue;
+        Py_ssize_t k = entries[i] >> 8;
+        PyObject *t = PySequence_Fast_GET_ITEM(singular, k);
+        int repeated = (entries[i] & FL_REPEATED) != 0;
+        if (repeated ? t != Py_None : !(PyTuple_Check(t) && PyTuple_GET_SIZE(t) == 3)) {
+            PyErr_SetString(PyExc_ValueError,
+                            "singular: 3 arrays a singular slot, None a repeated one");
             goto release;
         }
-        for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(t); j++) {
-            if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, j), &outs[k].buf[j], PyBUF_WRITABLE) < 0)
+        for (Py_ssize_t j = 0; !repeated && !outs[k].held && j < 3; j++) {
+            if (PyObject_GetBuffer(PyTuple_GET_ITEM(t, j), &outs[k].single[j],
+                                   PyBUF_WRITABLE) < 0) {
+                for (Py_ssize_t r = 0; r < j; r++)
+                    PyBuffer_Release(&outs[k].single[r]);
                 goto release;
-            outs[k].held = (int)j + 1;
+            }
+            if (j == 2)
+                outs[k].held = 1;
         }
     }
-    scan_state st = {spec.buf, spec.len / 4, groups.buf, NULL, outs, seen, slots};
-    if (!scan_rows(&st, &buf, &starts, &ends)) {
-        PyErr_SetString(PyExc_ValueError, "fill: a row is not regular, or the arrays have no room (size them with count)");
-        goto release;
-    }
-    result = Py_None;
-    Py_INCREF(result);
+    scan_state st = {spec.buf, spec.len / 4, groups.buf, outs, seen, slots, 0};
+    const uint8_t *base = buf.buf;
+    const int64_t *s = starts.buf, *e = ends.buf;
+    int regular = 1;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < starts.len / 8 && regular; i++)
+        regular = scan_row(&st, i, base, base + s[i], base + e[i]);
+    Py_END_ALLOW_THREADS
+    if (st.no_memory)
+        PyErr_NoMemory();
+    else if (!regular)
+        result = Py_NewRef(Py_None);
+    else
+        result = repeated_arrays(outs, slots);
 release:
-    if (outs)
-        for (Py_ssize_t k = 0; k < slots; k++)
-            for (int j = 0; j < outs[k].held; j++)
-                PyBuffer_Release(&outs[k].buf[j]);
+    if (outs) {
+        for (Py_ssize_t k = 0; k < slots; k++) {
+            for (int j = 0; outs[k].held && j < 3; j++)
+                PyBuffer_Release(&outs[k].single[j]);
+            for (int j = 0; j < 4; j++)
+                PyMem_Free(outs[k].rep[j].data);
+        }
+    }
     PyMem_Free(outs);
     PyMem_Free(seen);
 rows:
-    Py_XDECREF(outs_seq);
+    Py_XDECREF(singular);
     PyBuffer_Release(&buf);
     PyBuffer_Release(&starts);
     PyBuffer_Release(&ends);
@@ -443,8 +444,7 @@ out:
 }
 
 static PyMethodDef methods[] = {
-    {"count", count, METH_VARARGS, "Whether every row is regular; repeated slots' sizes."},
-    {"fill", fill, METH_VARARGS, "Record every occurrence of regular rows."},
+    {"scan", scan, METH_VARARGS, "Record every field occurrence of regular rows."},
     {"gather", gather, METH_VARARGS, "Copy byte ranges next to each other."},
     {"load8", load8, METH_VARARGS, "Little-endian u64 at each position."},
     {NULL, NULL, 0, NULL},

@@ -577,13 +577,14 @@ def _decode_message(
     spans: frozenset[str] = frozenset(), found: dict[str, Spans] | None = None,
 ) -> dict[str, pa.Array]:
     n = starts.size
+    scanned = _scanned(desc, buf, starts, ends)
+    if scanned is not None:
+        return _finished(desc, scanned, buf, err, n, spans, found)
     fields = _fields(desc, n)
     expected = {number: _expected_wire_type(f.fd) for number, f in fields.items()}
     max_number = max(fields, default=0)
     map_entry = bool(desc.GetOptions().map_entry)
     extension_ranges = [(int(a), int(b)) for a, b in desc.extension_ranges]
-    if _scanned(desc, fields, buf, starts, ends):
-        return _finished(desc, fields, buf, err, n, spans, found)
     keep = starts < ends
     act = np.flatnonzero(keep)
     pos = starts[act]
@@ -749,54 +750,52 @@ def _scan_spec(desc: Descriptor, fields: dict[int, _Field]
     return spec, groups
 
 
-def _scanned(desc: Descriptor, fields: dict[int, _Field], buf: U8, starts: I64,
-             ends: I64) -> bool:
-    """Record every field occurrence of the rows with the compiled scan, one pass per row,
-    into ``fields`` as the lock-step loop of :func:`_decode_message` records them; False
-    (nothing recorded) when the scan is not compiled, does not serve ``desc``
-    (:func:`_scan_spec`), or finds a row that is not *regular* (``_wirescan.c``): one on
-    which the lock step sets no error code. So a row that is damaged, or that upb must
-    decide, is always decided by the numpy scan, and both give the same columns."""
+def _scanned(desc: Descriptor, buf: U8, starts: I64, ends: I64) -> dict[int, _Field] | None:
+    """Every field occurrence of the rows, recorded by the compiled scan (one pass per row)
+    as the lock-step loop of :func:`_decode_message` records them; None when the scan is
+    not compiled, does not serve ``desc`` (:func:`_scan_spec`), or finds a row that is not
+    *regular* (``_wirescan.c``): one on which the lock step would set an error code. So a
+    row that is damaged, or that upb must decide, is always decided by the numpy scan, and
+    both give the same columns."""
     if _wirescan is None:
-        return False
+        return None
+    n = starts.size
+    fields = _fields(desc, n)
     tables = _scan_spec(desc, fields)
     if tables is None:
-        return False
+        return None
     spec, groups = tables
-    buf = np.ascontiguousarray(buf, dtype=np.uint8)
-    starts = np.ascontiguousarray(starts, dtype=np.int64)
-    ends = np.ascontiguousarray(ends, dtype=np.int64)
     ordered = [f for _, f in sorted(fields.items())]
-    counts = np.zeros(len(ordered), dtype=np.int64)
-    if not _wirescan.count(buf, starts, ends, spec, groups, counts):
-        return False
-    n = starts.size
-    outs: list[tuple[npt.NDArray[Any], ...]] = []
-    for k, f in enumerate(ordered):
-        if not f.repeated:
-            lengths = np.zeros(n if _expected_wire_type(f.fd) == _WT_LEN else 0, dtype=np.int64)
-            outs.append((f.present.view(np.uint8), f.value, lengths))
-            if lengths.size:
-                f.single_len.append(lengths)
+    singular: list[tuple[npt.NDArray[Any], ...] | None] = []
+    for f in ordered:
+        if f.repeated:
+            singular.append(None)
             continue
-        elements = int(counts[k])
-        kind = _expected_wire_type(f.fd)
-        rows, steps = np.empty(elements, dtype=np.int64), np.empty(elements, dtype=np.int64)
-        values = np.empty(elements, dtype=np.uint64)
-        lengths = np.empty(elements if kind == _WT_LEN else 0, dtype=np.int64)
-        outs.append((rows, steps, values, lengths))
+        lengths = np.zeros(n if _expected_wire_type(f.fd) == _WT_LEN else 0, dtype=np.int64)
+        singular.append((f.present.view(np.uint8), f.value, lengths))
+        if lengths.size:
+            f.single_len.append(lengths)
+    repeated = _wirescan.scan(np.ascontiguousarray(buf, dtype=np.uint8),
+                              np.ascontiguousarray(starts, dtype=np.int64),
+                              np.ascontiguousarray(ends, dtype=np.int64), spec, groups, singular)
+    if repeated is None:
+        return None
+    for f, arrays in zip(ordered, repeated, strict=True):
+        if arrays is None:
+            continue
+        rows, steps, values, lengths = (np.frombuffer(a, dtype=np.int64) for a in arrays)
         f.ordered = True
-        if elements:
+        if rows.size:
             f.elem_rows.append(rows)
             f.single_step.append(steps)
+            kind = _expected_wire_type(f.fd)
             if kind == _WT_VARINT:
-                f.elem_vals.append(values)
+                f.elem_vals.append(values.view(np.uint64))
             else:
-                f.elem_pos.append(values.view(np.int64))
+                f.elem_pos.append(values)
                 if kind == _WT_LEN:
                     f.single_len.append(lengths)
-    _wirescan.fill(buf, starts, ends, spec, groups, outs)
-    return True
+    return fields
 
 
 def _mark(err: npt.NDArray[np.int8], rows: I64, code: int) -> None:

@@ -32,15 +32,15 @@ def both_scans(desc: Descriptor, rows: list[bytes], monkeypatch: pytest.MonkeyPa
     assert compiled is not None
 
     class Counting:
-        count = staticmethod(compiled.count)
         gather = staticmethod(compiled.gather)
         load8 = staticmethod(compiled.load8)
 
         @staticmethod
-        def fill(*args: Any) -> None:
+        def scan(*args: Any) -> Any:
             nonlocal fills
-            fills += 1
-            compiled.fill(*args)
+            out = compiled.scan(*args)
+            fills += out is not None
+            return out
 
     monkeypatch.setattr(decode, "_wirescan", Counting)
     fast = decode_rows(desc, rows)
@@ -113,14 +113,11 @@ def test_a_row_the_lock_step_marks_sends_the_batch_to_the_numpy_scan(
     buf = padded_buffer(b"".join(rows))
     ends = np.cumsum([len(r) for r in rows]).astype(np.int64)
     starts = ends - np.asarray([len(r) for r in rows], dtype=np.int64)
-    fields = decode._fields(sample, 3)
-    tables = decode._scan_spec(sample, fields)
-    assert tables is not None
-    spec, groups = tables
-    counts = np.zeros(len(fields), dtype=np.int64)
-    scan = decode._wirescan
-    assert scan is not None
-    assert not scan.count(buf, starts, ends, spec, groups, counts)
+    monkeypatch.setattr(decode, "_wirescan", None)
+    assert decode._scanned(sample, buf, starts, ends) is None  # not compiled
+    monkeypatch.undo()
+    assert decode._scanned(sample, buf, starts, ends) is None  # not regular
+    assert decode._scanned(sample, buf, starts[:1], ends[:1]) is not None
 
 
 def test_a_singular_field_repeated_on_the_wire_keeps_its_last_value(
@@ -153,24 +150,28 @@ def test_arrays_that_do_not_fit_are_refused() -> None:
     spec = np.asarray([-1, (0 << 8) | 0x10, (1 << 8)], dtype=np.int32)
     groups = np.asarray([0, 1], dtype=np.int32)
     starts, ends = np.asarray([0], dtype=np.int64), np.asarray([4], dtype=np.int64)
-    with pytest.raises(ValueError, match="outside the buffer"):
-        scan.count(buf, starts, np.asarray([buf.size + 1], dtype=np.int64), spec, groups,
-                   np.zeros(2, dtype=np.int64))
-    with pytest.raises(ValueError, match="groups"):
-        scan.count(buf, starts, ends, spec, np.asarray([0, 5], dtype=np.int32),
-                   np.zeros(2, dtype=np.int64))
-    counts = np.zeros(2, dtype=np.int64)
-    assert scan.count(buf, starts, ends, spec, groups, counts)
-    assert counts.tolist() == [1, 0]
-    no_room = tuple(np.zeros(0, dtype=np.int64) for _ in range(4))
     singular = (np.zeros(1, dtype=np.uint8), np.zeros(1, dtype=np.uint64),
                 np.zeros(0, dtype=np.int64))
-    with pytest.raises(ValueError, match="no room"):
-        scan.fill(buf, starts, ends, spec, groups, [no_room, singular])
-    with pytest.raises(ValueError, match="3 arrays"):
-        scan.fill(buf, starts, ends, spec, groups, [(no_room[0],), singular])
+    with pytest.raises(ValueError, match="outside the buffer"):
+        scan.scan(buf, starts, np.asarray([buf.size + 1], dtype=np.int64), spec, groups,
+                  [None, singular])
+    with pytest.raises(ValueError, match="groups"):
+        scan.scan(buf, starts, ends, spec, np.asarray([0, 5], dtype=np.int32), [None, singular])
+    with pytest.raises(ValueError, match="3 arrays a singular slot"):
+        scan.scan(buf, starts, ends, spec, groups, [singular, singular])
+    with pytest.raises(ValueError, match="an item per slot"):
+        scan.scan(buf, starts, ends, spec, groups, [None])
     with pytest.raises(BufferError):
-        scan.fill(buf, starts, ends, spec, groups, [no_room, (b"", b"", b"")])
+        scan.scan(buf, starts, ends, spec, groups, [None, (b"", b"", b"")])
+    too_short = (np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.uint64),
+                 np.zeros(0, dtype=np.int64))
+    assert scan.scan(buf, starts, ends, spec, groups, [None, too_short]) is None
+    repeated = scan.scan(buf, starts, ends, spec, groups, [None, singular])
+    assert repeated is not None and repeated[1] is None
+    rows, steps, values, lengths = (np.frombuffer(a, dtype=np.int64) for a in repeated[0])
+    assert (rows.tolist(), steps.tolist(), values.tolist(), lengths.tolist()) == (
+        [0], [0], [1], [])
+    assert singular[0].tolist() == [1] and singular[1].tolist() == [2]
 
 
 def test_gather_and_load8_refuse_ranges_outside_the_buffer() -> None:
