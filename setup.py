@@ -1,10 +1,16 @@
-"""The one compiled part: ``blockagg.proto._wirescan``, the wire scan of
-``blockagg.proto.decode`` in C. It is optional: without a C compiler the install goes on
-and the decoder runs its numpy scan, with the same results (``tests/unit/proto``)."""
+"""The compiled parts, both optional: ``blockagg.proto._wirescan`` (the row decoder's wire
+scan) and ``blockagg.aggregator.clickhouse._native`` (the Native String encoding). Without a C
+compiler the install goes on and the same bytes come from numpy (``docs/architecture.md``,
+*The compiled parts*)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(
-    "blockagg.proto._wirescan", ["blockagg/proto/_wirescan.c"],
-    extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"],
-    optional=True)])
+FLAGS = ["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+setup(ext_modules=[
+    Extension("blockagg.proto._wirescan", ["blockagg/proto/_wirescan.c"],
+              extra_compile_args=FLAGS, optional=True),
+    Extension("blockagg.aggregator.clickhouse._native",
+              ["blockagg/aggregator/clickhouse/_native.c"], extra_compile_args=FLAGS,
+              optional=True),
+])

@@ -41,6 +41,11 @@ oneof members) are null when absent; the others hold the proto3 default, and a m
 key and value are never null (an absent message value is the empty message).
 Recursive message types are not supported (their Arrow type would be infinite).
 
+The scan itself is compiled where ``blockagg.proto._wirescan`` was built (``_wirescan.c``:
+one pass per row, recording the same occurrences); it reads only rows on which the lock step
+sets no error code, and a batch holding any other row is scanned by numpy, so both paths give
+the same columns and errors (``docs/architecture.md``, *The compiled parts*).
+
 Above 500 lines because the lock-step wire decoder's paths (scalars, strings, packed,
 nested) share one buffer layout and its varint kernels.
 """
@@ -48,6 +53,7 @@ nested) share one buffer layout and its varint kernels.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -69,7 +75,11 @@ def _compiled_scan() -> ModuleType | None:
     ``--py-files`` ships the package): the numpy scan then records the same occurrences."""
     try:
         return importlib.import_module("blockagg.proto._wirescan")
-    except ImportError:
+    except ImportError as exc:
+        logging.getLogger(__name__).info(
+            "rows decode with numpy alone (the same columns, more CPU a row): the compiled "
+            "wire scan blockagg.proto._wirescan does not load here (%s); install the package "
+            "with a C compiler present rather than ship it as a zip", exc)
         return None
 
 

@@ -19,8 +19,10 @@ on a first attempt, a retry and a replay, whichever path sent it.
 from __future__ import annotations
 
 import functools
+import importlib
 import time
 from collections.abc import Sequence
+from types import ModuleType
 from typing import Any, Final
 
 import numpy as np
@@ -110,14 +112,30 @@ def _wire_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(NUMPY_DTYPES[name]).newbyteorder("<")
 
 
+def _compiled_strings() -> ModuleType | None:
+    """``_native.c``'s encoder where ``pip install`` built it (else numpy's, same bytes)."""
+    try:
+        return importlib.import_module("blockagg.aggregator.clickhouse._native")
+    except ImportError:
+        return None
+
+
+_compiled = _compiled_strings()
+
+
 def _string_native(column: StringColumn) -> bytes:
     """Per value: its length as a LEB128 varint, then its bytes."""
+    if column.constant is not None:
+        n = len(column.offsets) - 1
+        return (_varint(len(column.constant)) + column.constant) * n if n > 0 else b""
+    if _compiled is not None:
+        encoded: bytes = _compiled.strings(np.ascontiguousarray(column.offsets, dtype=np.int64),
+                                           np.ascontiguousarray(column.data, dtype=np.uint8))
+        return encoded
     lengths = np.diff(column.offsets)
     n = len(lengths)
     if n == 0:
         return b""
-    if column.constant is not None:
-        return (_varint(len(column.constant)) + column.constant) * n
     base, end = int(column.offsets[0]), int(column.offsets[-1])
     if int(lengths.max()) < 0x80:
         # One length byte per value (short strings, the usual case): each value's

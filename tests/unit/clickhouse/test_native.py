@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from blockagg.aggregator.clickhouse import native
 from blockagg.aggregator.clickhouse.exceptions import ClickHouseError
 from blockagg.aggregator.clickhouse.native import NativeBlock, concat, encode_column, native_type_ok
 from blockagg.rows.layout import EnumColumn, ListColumn, StringColumn
@@ -141,6 +142,39 @@ def test_native_bytes_are_the_drivers(case: tuple[str, list[Any]]) -> None:
     assert native_type_ok(parse_type(spec))
     assert column.tolist() == _column(spec, values).tolist()
     assert encode_column(parse_type(spec), column) == driver_bytes(spec, values)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(columns(), st.data())
+def test_strings_encode_alike_compiled_and_with_numpy(case: tuple[str, list[Any]],
+                                                     data: st.DataObject) -> None:
+    """``_native.c`` and the numpy encoder write the same bytes, slices included (where a
+    column's offsets do not start at 0)."""
+    spec, values = case
+    if spec not in ("String", "Array(String)"):
+        return
+    assert native._compiled is not None, "pip install -e . builds _native.c (a C compiler)"
+    column = _column(spec, values)
+    a = data.draw(st.integers(0, len(values)))
+    part = column[a:]
+    compiled = encode_column(parse_type(spec), part)
+    kept = native._compiled
+    try:
+        native._compiled = None
+        assert encode_column(parse_type(spec), part) == compiled
+    finally:
+        native._compiled = kept
+    assert compiled == driver_bytes(spec, values[a:])
+
+
+def test_compiled_strings_refuse_offsets_outside_the_data() -> None:
+    compiled = native._compiled
+    assert compiled is not None
+    data = np.frombuffer(b"abc", dtype=np.uint8)
+    assert compiled.strings(np.asarray([1, 3], dtype=np.int64), data) == b"\x02bc"
+    for offsets, why in (([0, 4], "outside"), ([2, 1], "decrease"), ([], "at least one")):
+        with pytest.raises(ValueError, match=why):
+            compiled.strings(np.asarray(offsets, dtype=np.int64), data)
 
 
 @settings(max_examples=200, derandomize=True, deadline=None)
