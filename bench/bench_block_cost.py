@@ -45,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows-per-message", type=int, default=10)
     ap.add_argument("--block-rows", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--string-bytes", type=int, default=0,
+                    help="bytes of a 'name' value (bench_task's --string-bytes)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="a checkout to compare with (ABBA)")
     args = ap.parse_args(argv)
