@@ -8,7 +8,8 @@ hand-over: envelopes, registry, decode, conversion, block formation, metadata, a
 real insert of every block into ``ReplicatedMergeTree`` tables on the stack the
 environment points at. The metadata store is in memory (its Kafka commits are the
 I/O side, not CPU per row). The figure is this process's CPU (``time.process_time``)
-per million rows: the servers' share is not in it.
+per million rows, with the kernel's part of it (system time: socket calls, page faults);
+the servers' share is not in it.
 
 ``--baseline DIR`` runs the same measurement with the code of another checkout (a
 ``git archive`` of main, say) in child processes, interleaved with this checkout's
@@ -211,9 +212,10 @@ table = "{database}.dead_letters"
             components.writer.insert = profiled_insert
             profiler.enable()
         spent = time_stages() if args.stages else None
-        w0, c0 = time.perf_counter(), time.process_time()
+        w0, c0, t0 = time.perf_counter(), time.process_time(), os.times()
         report = run_range(ctx, tp, offsets[warm:], values[warm:], stamps[warm:])
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        kernel = os.times().system - t0.system
         if profiler is not None:
             profiler.disable()
             import pstats
@@ -232,6 +234,7 @@ table = "{database}.dead_letters"
     return {"code": str(Path(blockagg.__file__).parents[1]), "rows": measured,
             "stored": stored, "blocks": report["blocks"], "wall_s": wall, "cpu_s": cpu,
             "cpu_s_per_mrows": cpu / measured * 1e6, "rows_per_cpu_s": measured / cpu,
+            "kernel_s": kernel,
             **({"stages": spent} if spent is not None else {})}
 
 
@@ -329,7 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, code in order:
         result = run_child(code, args)
         results[name].append(result)
-        print(f"{name:<5} {result['cpu_s_per_mrows']:6.2f} CPU-s/Mrows  "
+        kernel = result.get("kernel_s")  # a baseline's older child may not say
+        share = "" if kernel is None else f" ({100 * kernel / result['cpu_s']:.0f}% in the kernel)"
+        print(f"{name:<5} {result['cpu_s_per_mrows']:6.2f} CPU-s/Mrows{share}  "
               f"wall {result['wall_s']:6.2f} s  rows {result['rows']:,} "
               f"stored {result['stored']:,} blocks {result['blocks']}  ({result['code']})",
               flush=True)
