@@ -50,6 +50,7 @@ from blockagg.aggregator.core.model import (
     Block,
     BlockShare,
     BlockSink,
+    BuildAheadSink,
     Committed,
     MetadataStore,
     Thresholds,
@@ -342,6 +343,10 @@ class _MeasuredSink:
         """Inserts of this task sent again behind another insert's pending quorum (the
         writer is this worker's and runs one task at a time)."""
         return self._waits() - self._waits_before
+
+    def build_ahead(self, blocks: Sequence[Block], batch: Batch) -> None:
+        if isinstance(self.inner, BuildAheadSink):
+            self.inner.build_ahead(blocks, batch)
 
     def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         start = time.perf_counter()

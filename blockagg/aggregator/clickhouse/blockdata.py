@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -47,6 +47,12 @@ by the driver's generic column from an ``object`` array (Enum8/16, Array(T))."""
 DEFAULT_INSERT_BLOCK_SIZE: Final = 1_048_576
 """clickhouse-driver's ``insert_block_size``: larger blocks go as lists, which the
 driver splits at exactly this many rows (its numpy mode splits differently)."""
+
+BUILT_AHEAD_BYTES: Final = 64 << 20
+"""How many bytes of messages :class:`BlocksBuiltAhead` builds ahead per seal event: all
+of a batch of small blocks, where building each in its lane costs the most; a seal
+event of larger blocks builds the rest in its lanes, as before, so the memory held
+twice (the batch's columns and the blocks' Native bytes) stays bounded."""
 
 _NUMPY_FALLBACK_WARNING: Final = "NumPy support is not implemented for"
 
@@ -99,17 +105,73 @@ class BlockData:
         ``lists``, Python lists (the same values) for a client without numpy mode;
         otherwise a copy for clickhouse-driver's numpy mode (which rewrites some in
         place)."""
-        if native and self.numpy and all(native_type_ok(t) for t in self.types):
-            if self._native is None:
-                object.__setattr__(self, "_native",
-                                   NativeBlock(self.names, self.types, self.columns))
-            return self._native
+        if native:
+            block = self.native_block()
+            if block is not None:
+                return block
         if lists:
             return [c.tolist() if hasattr(c, "tolist") else list(c) for c in self.columns]
         return [c.copy() if isinstance(c, np.ndarray) else c.driver_items()
                 if isinstance(c, NATIVE_COLUMNS) else list(c) for c in self.columns]
 
+    def native_block(self) -> NativeBlock | None:
+        """The block in Native layout (made once), or ``None`` when a column is not
+        columnar or has a type :func:`~aggregator.clickhouse.native.encode_column`
+        does not write."""
+        if self._native is None:
+            if not (self.numpy and all(native_type_ok(t) for t in self.types)):
+                return None
+            object.__setattr__(self, "_native",
+                               NativeBlock(self.names, self.types, self.columns))
+        return self._native
+
     _native: NativeBlock | None = field(default=None, init=False, repr=False)
+
+
+class BlocksBuiltAhead:
+    """One seal event's inserts built ahead, on the executor's thread, for the lanes to
+    take (:meth:`aggregator.clickhouse.writer.ClickHouseBlockWriter.build_ahead`).
+
+    Why: a lane builds its block right after waking from the previous insert's answer,
+    when the servers have just used the shared cores' caches; built one after another
+    beforehand, the same work costs less CPU (docs/BENCHMARKS.md, *Blocks built
+    ahead*). What a lane takes is what it would have built, since a block's insert is a
+    pure function of the block and the batch (invariant 3). Holds one event at a time
+    (the writer serves one task at a time): :meth:`fill` drops what the last event
+    left, e.g. when an insert failed before the rest were taken."""
+
+    def __init__(self, budget: int = BUILT_AHEAD_BYTES) -> None:
+        self.budget = budget
+        self._slot: tuple[Batch | None, dict[str, BlockData]] = (None, {})
+
+    def fill(self, blocks: Sequence[Block], batch: Batch,
+             build: Callable[[Block], BlockData]) -> int:
+        """Build ``blocks`` in order with ``build`` (and their Native bytes) until
+        :attr:`budget` bytes of messages; returns how many were built. The first that
+        fails to build ends the filling: its insert builds it again and raises, in the
+        lanes' order, as without this."""
+        built: dict[str, BlockData] = {}
+        self._slot = (batch, built)
+        budget = self.budget
+        for block in blocks:
+            if block.size > budget:
+                break
+            try:
+                data = build(block)
+                native = data.native_block()
+                if native is not None:
+                    native.encoded  # noqa: B018  (computed now, kept on the block)
+            except Exception:
+                log.debug("block %s not built ahead", block.token, exc_info=True)
+                break
+            budget -= block.size
+            built[block.token] = data
+        return len(built)
+
+    def take(self, block: Block, batch: Batch) -> BlockData | None:
+        """``block``'s insert if :meth:`fill` built it for this very batch (once)."""
+        filled, built = self._slot
+        return built.pop(block.token, None) if filled is batch else None
 
 
 def block_data(block: Block, batch: Batch, numpy: bool, dead_letter_incarnation: bool = False,

@@ -53,6 +53,7 @@ from typing import Any, Final, Protocol
 from blockagg.aggregator.clickhouse.blockdata import (
     DEFAULT_INSERT_BLOCK_SIZE,
     BlockData,
+    BlocksBuiltAhead,
     block_data,
     numpy_inserts_available,
 )
@@ -382,6 +383,7 @@ class ClickHouseBlockWriter:
         self._windows: dict[str, tuple[float, DedupWindow]] = {}
         self._described: dict[str, TableInfo] = {}
         self._dead_letter_seen: tuple[float, bool] | None = None
+        self._built_ahead = BlocksBuiltAhead()
         self.quorum_waits = 0
         """Inserts refused because the table's previous quorum was pending and sent again
         (:class:`QuorumQueue`), since the writer was made: what a batch's
@@ -627,6 +629,13 @@ class ClickHouseBlockWriter:
                                                    DEFAULT_INSERT_BLOCK_SIZE))
         return block_data(block, batch, numpy, dead_letter_incarnation, limit)
 
+    def build_ahead(self, blocks: Sequence[Block], batch: Batch) -> None:
+        """Build a seal event's inserts ahead (:class:`~aggregator.core.model.BuildAheadSink`,
+        :class:`~aggregator.clickhouse.blockdata.BlocksBuiltAhead`); dead-letter blocks,
+        whose columns depend on a server read, are built by their inserts."""
+        self._built_ahead.fill([b for b in blocks if b.table_id != DEAD_LETTER_TABLE_ID],
+                               batch, lambda block: self.block_data(block, batch))
+
     def _dead_letter_incarnation(self) -> bool:
         """Whether the dead-letter table has the ``incarnation`` column (re-read every
         ``dead_letter_columns_ttl_s``): dead-letter blocks then carry the batch's topic
@@ -676,8 +685,9 @@ class ClickHouseBlockWriter:
         began = self._clock() if confirmed_at is None else min(confirmed_at, self._clock())
         table = (self.config.dead_letter_table if block.table_id == DEAD_LETTER_TABLE_ID
                  else block.table)
-        data = self.block_data(block, batch, dead_letter_incarnation=(
-            block.table_id == DEAD_LETTER_TABLE_ID and self._dead_letter_incarnation()))
+        data = self._built_ahead.take(block, batch) or self.block_data(
+            block, batch, dead_letter_incarnation=(
+                block.table_id == DEAD_LETTER_TABLE_ID and self._dead_letter_incarnation()))
         if not data.rows:
             return
         quoted = ", ".join(f"`{n}`" for n in data.names)

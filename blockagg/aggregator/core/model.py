@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -167,6 +167,21 @@ class BlockSink(Protocol):
     def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
         """``confirmed_at``: what the fence's ``confirm`` returned before this insert
         (``None`` without a fence)."""
+
+
+@runtime_checkable
+class BuildAheadSink(BlockSink, Protocol):
+    """A :class:`BlockSink` that can build a seal event's inserts ahead of sending them.
+
+    The executor calls ``build_ahead`` once per seal event, on its own thread, with the
+    event's blocks in the order the lanes take them, after the intent listing them is
+    committed and before the first of them is inserted. It is a hint: it sends
+    nothing, and a sink may build any number of the blocks (or none) and must build
+    exactly what ``insert`` would (a block's insert is a pure function of the block and
+    the batch, invariant 3). A block that fails to build is left to its ``insert``,
+    which raises as it would have."""
+
+    def build_ahead(self, blocks: Sequence[Block], batch: Batch) -> None: ...
 
 
 BATCHES_IN_FLIGHT = 2

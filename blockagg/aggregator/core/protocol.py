@@ -59,6 +59,7 @@ from blockagg.aggregator.core.model import (
     Batch,
     Block,
     BlockSink,
+    BuildAheadSink,
     Committed,
     Fence,
     Lanes,
@@ -592,9 +593,12 @@ def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink,
     seal event, all listed by the intent just committed, one after another or several
     at once; every one of them is acknowledged before the next commit is sent, so a
     commit never moves the resume offset past a block still in flight (invariant 4).
+    A :class:`BuildAheadSink` first builds the event's inserts on this thread
+    (``build_ahead``), which sends nothing.
     """
     batch = protocol.batch
     commits = blocks = replayed = rows = size = messages = 0
+    build_ahead = sink.build_ahead if isinstance(sink, BuildAheadSink) else None
 
     def insert(block: Block) -> Callable[[], None]:
         def run() -> None:
@@ -609,8 +613,10 @@ def run_batch(protocol: Plan, store: MetadataStore, sink: BlockSink,
             store.commit(step.topic, step.partition, step.offset, step.text)
             commits += 1
             continue
-        lanes.run([insert(operation.block)
-                   for operation in insert_order(step, batch.partition)])
+        ordered = insert_order(step, batch.partition)
+        if build_ahead is not None:
+            build_ahead([operation.block for operation in ordered], batch)
+        lanes.run([insert(operation.block) for operation in ordered])
         for operation in step:
             block = operation.block
             blocks += 1

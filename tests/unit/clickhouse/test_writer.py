@@ -3,6 +3,7 @@ non-retriable errors, coordinates, dead letters, and the startup dedup check."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, ClassVar
 
@@ -11,6 +12,7 @@ import pytest
 from clickhouse_driver import errors as ch_errors
 from google.protobuf.descriptor import Descriptor
 
+from blockagg.aggregator.clickhouse.blockdata import BlocksBuiltAhead
 from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
 from blockagg.aggregator.clickhouse.diagnosis import (
     ReplicaState,
@@ -20,6 +22,7 @@ from blockagg.aggregator.clickhouse.diagnosis import (
 )
 from blockagg.aggregator.clickhouse.exceptions import (
     AlterNotApplied,
+    ClickHouseError,
     CoordinatesMissing,
     DedupNotConfigured,
     DedupWindowTooSmall,
@@ -581,3 +584,49 @@ ca_certs = "/ca.pem"
 """)
     assert make_writer(config, config.topics[0]).config.tls == {
         "secure": True, "verify": True, "ca_certs": "/ca.pem"}
+
+
+def test_a_block_built_ahead_is_sent_as_its_insert_would_build_it(
+        sample: Descriptor, monkeypatch: pytest.MonkeyPatch) -> None:
+    batch, block = sample_batch(sample)
+    alone: list[Any] = []
+    make_writer({}, alone).insert(block, batch)
+    ahead: list[Any] = []
+    writer = make_writer({}, ahead)
+    writer.build_ahead([block], batch)
+    built: list[str] = []
+    build = writer.block_data
+
+    def counted(b: Block, *a: Any, **k: Any) -> Any:
+        built.append(b.token)
+        return build(b, *a, **k)
+
+    monkeypatch.setattr(writer, "block_data", counted)
+    writer.insert(block, batch)
+    assert built == [] and repr(ahead) == repr(alone)
+    writer.insert(block, batch)  # a block built ahead is taken once: a retry builds it
+    assert built == [block.token] and repr(ahead[1]) == repr(alone[0])
+
+
+def test_only_this_batchs_blocks_within_the_budget_are_built_ahead(sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    writer = make_writer({}, [])
+    later = dataclasses.replace(block, token="later")
+    ahead = BlocksBuiltAhead(budget=block.size + later.size - 1)
+    assert ahead.fill([block, later], batch, lambda b: writer.block_data(b, batch)) == 1
+    assert ahead.take(later, batch) is None
+    assert ahead.take(block, dataclasses.replace(batch)) is None  # another batch
+    assert ahead.take(block, batch) is not None and ahead.take(block, batch) is None
+    ahead.fill([], batch, lambda b: writer.block_data(b, batch))
+    assert ahead.take(block, batch) is None  # the next event drops what was left
+
+
+def test_a_block_that_fails_to_build_ahead_fails_in_its_insert(sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    broken = dataclasses.replace(batch, payloads=[object(), *batch.payloads[1:]])
+    log: list[Any] = []
+    writer = make_writer({}, log)
+    writer.build_ahead([block], broken)
+    with pytest.raises(ClickHouseError, match="holds a object payload"):
+        writer.insert(block, broken)
+    assert log == []

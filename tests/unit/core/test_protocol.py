@@ -22,7 +22,7 @@ from blockagg.aggregator.core.exceptions import (
     ReplayBlockMissing,
 )
 from blockagg.aggregator.core.metadata import BlockRange, Metadata, encode
-from blockagg.aggregator.core.model import Committed, Thresholds
+from blockagg.aggregator.core.model import Batch, Block, Committed, Thresholds
 from blockagg.aggregator.core.protocol import (
     BatchReport,
     CommitMetadata,
@@ -415,3 +415,40 @@ def test_intents_record_the_attempt_and_when_their_blocks_were_first_sent() -> N
     again = [op for op in retry if isinstance(op, CommitMetadata)]
     assert decode(again[0].text).since_s == 1_000
     assert decode(again[0].text).attempt == 2**31 + 6
+
+
+class BuildingSink(DedupSink):
+    """A :class:`DedupSink` that builds ahead; both calls go to one event list."""
+
+    def __init__(self, events: list[tuple[str, object]]) -> None:
+        super().__init__()
+        self.events = events
+
+    def build_ahead(self, blocks: Sequence[Block], batch: Batch) -> None:
+        self.events.append(("build", tuple(b.token for b in blocks)))
+
+    def insert(self, block: Block, batch: Batch, confirmed_at: float | None = None) -> None:
+        self.events.append(("insert", block.token))
+        super().insert(block, batch, confirmed_at)
+
+
+def test_each_event_is_built_ahead_after_its_intent_in_the_lanes_order() -> None:
+    events: list[tuple[str, object]] = []
+
+    class Store(MemoryMetadataStore):
+        def commit(self, topic: str, partition: int, offset: int, metadata: str) -> None:
+            events.append(("commit", offset))
+            super().commit(topic, partition, offset, metadata)
+
+    store, sink = Store(), BuildingSink(events)
+    protocol = plan(store, 0, 30)
+    report = run_batch(protocol, store, sink)
+    assert report.blocks == len(sink.inserted) > 0 and not sink.duplicates()
+    kinds = "".join(kind[0] for kind, _ in events)
+    # Every event: its intent, its blocks built ahead, then those very blocks inserted.
+    assert kinds.startswith("cb") and "bc" not in kinds and "ib" not in kinds
+    for i, (kind, tokens) in enumerate(events):
+        if kind == "build":
+            assert isinstance(tokens, tuple)
+            assert [t for _, t in events[i + 1:i + 1 + len(tokens)]] == list(tokens)
+    assert sink.rows == expected_rows([m for m in STREAM if m[0] < 30])
