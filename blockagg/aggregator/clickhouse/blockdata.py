@@ -50,9 +50,15 @@ driver splits at exactly this many rows (its numpy mode splits differently)."""
 
 BUILT_AHEAD_BYTES: Final = 64 << 20
 """How many bytes of messages :class:`BlocksBuiltAhead` builds ahead per seal event: all
-of a batch of small blocks, where building each in its lane costs the most; a seal
-event of larger blocks builds the rest in its lanes, as before, so the memory held
-twice (the batch's columns and the blocks' Native bytes) stays bounded."""
+of a batch of small blocks; the rest are built in their lanes, as before, so the memory
+held twice (the batch's columns and the blocks' Native bytes) stays bounded."""
+
+BUILT_AHEAD_BLOCK_BYTES: Final = 256 << 10
+"""The largest block (bytes of messages) built ahead. Building ahead pays where the
+per-block part of an insert's CPU dominates: 1.20x less CPU at 400 blocks of 1,230 rows
+(~100 KiB), none measured at 133 blocks of 3,739 rows or 40 of 12,480
+(docs/BENCHMARKS.md, *Blocks built ahead*), where building in the lanes overlaps the
+other lanes' waits instead of holding every lane back until all are built."""
 
 _NUMPY_FALLBACK_WARNING: Final = "NumPy support is not implemented for"
 
@@ -146,14 +152,17 @@ class BlocksBuiltAhead:
 
     def fill(self, blocks: Sequence[Block], batch: Batch,
              build: Callable[[Block], BlockData]) -> int:
-        """Build ``blocks`` in order with ``build`` (and their Native bytes) until
-        :attr:`budget` bytes of messages; returns how many were built. The first that
+        """Build ``blocks`` in order with ``build`` (and their Native bytes), those of
+        at most :data:`BUILT_AHEAD_BLOCK_BYTES`, until :attr:`budget` bytes of
+        messages; returns how many were built. The first that
         fails to build ends the filling: its insert builds it again and raises, in the
         lanes' order, as without this."""
         built: dict[str, BlockData] = {}
         self._slot = (batch, built)
         budget = self.budget
         for block in blocks:
+            if block.size > BUILT_AHEAD_BLOCK_BYTES:
+                continue
             if block.size > budget:
                 break
             try:

@@ -12,7 +12,7 @@ import pytest
 from clickhouse_driver import errors as ch_errors
 from google.protobuf.descriptor import Descriptor
 
-from blockagg.aggregator.clickhouse.blockdata import BlocksBuiltAhead
+from blockagg.aggregator.clickhouse.blockdata import BUILT_AHEAD_BLOCK_BYTES, BlocksBuiltAhead
 from blockagg.aggregator.clickhouse.dedup_window import DedupNeed
 from blockagg.aggregator.clickhouse.diagnosis import (
     ReplicaState,
@@ -630,3 +630,13 @@ def test_a_block_that_fails_to_build_ahead_fails_in_its_insert(sample: Descripto
     with pytest.raises(ClickHouseError, match="holds a object payload"):
         writer.insert(block, broken)
     assert log == []
+
+
+def test_a_large_block_is_left_to_its_lane_and_the_next_small_one_built(
+        sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    writer = make_writer({}, [])
+    large = dataclasses.replace(block, token="large", size=BUILT_AHEAD_BLOCK_BYTES + 1)
+    ahead = BlocksBuiltAhead()
+    assert ahead.fill([large, block], batch, lambda b: writer.block_data(b, batch)) == 1
+    assert ahead.take(large, batch) is None and ahead.take(block, batch) is not None
