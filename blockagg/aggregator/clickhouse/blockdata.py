@@ -175,12 +175,21 @@ class BlocksBuiltAhead:
                 break
             budget -= block.size
             built[block.token] = data
+        if not built:
+            self._slot = (None, {})
         return len(built)
 
     def take(self, block: Block, batch: Batch) -> BlockData | None:
-        """``block``'s insert if :meth:`fill` built it for this very batch (once)."""
+        """``block``'s insert if :meth:`fill` built it for this very batch (once). The
+        last one taken lets go of the batch, so its columns are not kept past its
+        inserts."""
         filled, built = self._slot
-        return built.pop(block.token, None) if filled is batch else None
+        if filled is not batch:
+            return None
+        data = built.pop(block.token, None)
+        if not built:
+            self._slot = (None, {})
+        return data
 
 
 def block_data(block: Block, batch: Batch, numpy: bool, dead_letter_incarnation: bool = False,

@@ -640,3 +640,13 @@ def test_a_large_block_is_left_to_its_lane_and_the_next_small_one_built(
     ahead = BlocksBuiltAhead()
     assert ahead.fill([large, block], batch, lambda b: writer.block_data(b, batch)) == 1
     assert ahead.take(large, batch) is None and ahead.take(block, batch) is not None
+
+
+def test_the_last_block_taken_lets_go_of_the_batch(sample: Descriptor) -> None:
+    batch, block = sample_batch(sample)
+    writer = make_writer({}, [])
+    ahead = BlocksBuiltAhead()
+    ahead.fill([block], batch, lambda b: writer.block_data(b, batch))
+    assert ahead._slot[0] is batch
+    assert ahead.take(block, batch) is not None
+    assert ahead._slot == (None, {})
