@@ -927,9 +927,10 @@ class Driver:
     def on_signal(self, name: str, origin: str) -> None:
         """A stop signal received by ``origin`` (``python`` or ``jvm``).
 
-        Ctrl-C reaches both processes once, so a second signal *of one origin* means
-        "now": exiting anywhere is safe (the next start replays). Before the query
-        runs nothing needs finishing: the job stops at once, exit 0."""
+        A second signal *of one origin* means "now": exiting anywhere is safe (the
+        next start replays). Ctrl-C reaches the Python driver only, since the JVM
+        ignores SIGINT while the driver runs (:mod:`blockagg.spark.signals`). Before
+        the query runs nothing needs finishing: the job stops at once, exit 0."""
         self._signals[origin] += 1
         if self._signals[origin] > 1:
             logs.event(log, "exiting at once", signal=name, origin=origin)

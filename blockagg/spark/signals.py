@@ -3,13 +3,22 @@
 Under ``spark-submit`` the JVM (``SparkSubmit`` running ``PythonRunner``) is the
 parent of the Python driver. The JVM's own handlers of SIGTERM and SIGINT start its
 shutdown hooks, which stop the SparkContext under the running batch: the process
-dies with 143/130 and Java traces, the batch half done. So the driver replaces the
-JVM's handlers (``sun.misc.Signal.handle``) with a py4j callback that only *asks*
-the Python driver to stop; the driver finishes the running batch, stops the query,
-exits 0, and ``spark-submit`` exits with it. Ctrl-C in a terminal signals the whole
-foreground process group (JVM and Python alike): each process's handler asks once,
-the request is idempotent. Spark's Python workers run in their own process group
-(``pyspark.daemon``) and never see the Ctrl-C.
+dies with 143/130 and Java traces, the batch half done. So while the driver runs:
+
+- SIGTERM to the JVM goes to a py4j callback that only *asks* the Python driver to
+  stop; the driver finishes the running batch, stops the query, exits 0, and
+  ``spark-submit`` exits with it.
+- SIGINT is *ignored* by the JVM. Ctrl-C in a terminal signals the whole foreground
+  process group, so the Python driver receives it anyway and asks for the stop
+  itself. A caught signal is reset to its default at ``exec``, an ignored one is
+  inherited: with a handler in the JVM, every process the JVM spawns (Hadoop's
+  ``chmod`` of each checkpoint file, ``jspawnhelper``) would die of the same Ctrl-C
+  and fail the running batch (``Failed to exec spawn helper ... signal: 2``), so
+  the stop would exit 1. Ignored, they run through it. SIGINT sent to the JVM alone
+  does nothing; SIGTERM is the signal to send to a pid.
+
+Spark's Python workers run in their own process group (``pyspark.daemon``) and never
+see the Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,7 +30,8 @@ from blockagg import logs
 
 log = logs.get("job")
 
-SIGNALS = ("TERM", "INT")
+ROUTED = ("TERM",)
+IGNORED = ("INT",)
 
 
 class _JvmHandler:
@@ -42,16 +52,18 @@ class _JvmHandler:
 
 
 class JvmSignals:
-    """The JVM's SIGTERM/SIGINT handlers, replaced while the driver runs."""
+    """The JVM's stop signals while the driver runs: SIGTERM routed to the driver,
+    SIGINT ignored (see the module's docstring for why)."""
 
     def __init__(self, spark: Any) -> None:
         self._spark = spark
         self._previous: dict[str, Any] = {}
         self._handlers: list[_JvmHandler] = []
+        self.ignored: tuple[str, ...] = ()
 
     def install(self, on_signal: Callable[[str], None]) -> bool:
-        """Route the JVM's stop signals to ``on_signal(name)``; False when the JVM
-        does not allow it (then the JVM keeps its own handlers)."""
+        """Route the JVM's SIGTERM to ``on_signal(name)`` and ignore its SIGINT; False
+        when the JVM does not allow it (then the JVM keeps its own handlers)."""
         from pyspark.java_gateway import ensure_callback_server_started
 
         context = self._spark.sparkContext
@@ -59,7 +71,7 @@ class JvmSignals:
         jvm = context._jvm
         try:
             ensure_callback_server_started(gateway)  # type: ignore[no-untyped-call]
-            for name in SIGNALS:
+            for name in ROUTED:
                 handler = _JvmHandler(name, on_signal)
                 self._handlers.append(handler)
                 self._previous[name] = jvm.sun.misc.Signal.handle(
@@ -68,11 +80,22 @@ class JvmSignals:
             logs.event(log, "JVM stop signals not routed to the driver", level=30,
                        error=" ".join(str(exc).split())[:300])
             return False
+        for name in IGNORED:
+            try:
+                jvm.sun.misc.Signal.handle(jvm.sun.misc.Signal(name),
+                                           jvm.sun.misc.SignalHandler.SIG_IGN)
+            except Exception as exc:
+                logs.event(log, "JVM's SIGINT not ignored: Ctrl-C may fail the running "
+                           "batch", level=30, error=" ".join(str(exc).split())[:300])
+            else:
+                self.ignored += (name,)
         return True
 
     def restore(self) -> None:
-        """Give the JVM its own handlers back (a signal after the driver's exit then
-        ends the JVM as usual)."""
+        """Give the JVM its own SIGTERM handler back (a SIGTERM after the driver's exit
+        then ends the JVM as usual). SIGINT stays ignored until the JVM exits: the JVM
+        refuses a handler for a shutdown signal that is ignored (it returns without
+        installing it), and the driver's exit ends the JVM anyway."""
         if not self._previous:
             return
         jvm = self._spark.sparkContext._jvm

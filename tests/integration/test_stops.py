@@ -2,7 +2,9 @@
 
 * the stop commands of ``docs/running.md`` (``kill -TERM "$PID"`` of the spark-submit
   JVM, and the ``pkill`` pattern that matches only the JVM), run as written;
-* Ctrl-C in a terminal: SIGINT to the foreground process group (JVM and Python driver);
+* Ctrl-C in a terminal: SIGINT to the foreground process group (JVM and Python driver),
+  which the JVM ignores while the driver runs, so that what it spawns (Hadoop's
+  ``chmod`` of each checkpoint file) cannot die of it and fail the running batch;
 
 each lets the running batch finish, logs ``stopped`` and exits 0, with no stack trace;
 across the runs every produced row is in ClickHouse exactly once and ``arv verify``
@@ -13,6 +15,7 @@ lock, naming the holder, then refuses.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -71,6 +74,15 @@ def assert_stopped_cleanly(running: Running, code: int, how: str) -> None:
     assert_no_trace(out)
 
 
+def ignores(pid: int, sig: signal.Signals) -> bool:
+    """Whether process ``pid`` ignores ``sig``: an ignored signal, unlike a caught one,
+    stays ignored in every process it spawns."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = next(int(line.split()[1], 16) for line in status.splitlines()
+                if line.startswith("SigIgn:"))
+    return bool(mask >> (sig.value - 1) & 1)
+
+
 def run_shell(command: str, env: dict[str, str]) -> None:
     res = subprocess.run(["bash", "-c", command], env={**os.environ, **env},
                          capture_output=True, text=True, check=False, timeout=60)
@@ -122,6 +134,8 @@ def test_docs_stop_commands_and_ctrl_c_exit_0_and_second_job_waits(job: Job) -> 
 
     # 3. Ctrl-C in the terminal: SIGINT to the whole foreground process group.
     running = started(job, config)
+    assert ignores(running.proc.pid, signal.SIGINT), "the JVM's children would die of Ctrl-C"
+    assert not ignores(running.proc.pid, signal.SIGTERM)
     running.wait_for(lambda out: job.rows() >= len(job.produced_ids), "every row stored")
     running.ctrl_c()
     assert_stopped_cleanly(running, running.wait(), "Ctrl-C")
