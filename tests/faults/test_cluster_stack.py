@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -78,6 +79,29 @@ def replicas_and_isr(control: StackControl, name: str) -> list[tuple[int, int]]:
     return [(len(p.replicas), len(p.isrs)) for p in meta.topics[name].partitions.values()]
 
 
+def init_transactions(producer: Any, budget_s: float) -> None:
+    """``init_transactions`` called again on a retriable error until ``budget_s``, as
+    librdkafka documents and the job does (``FencedAttempt``): while a cut node's
+    coordinator partitions move, their new leaders answer COORDINATOR_LOAD_IN_PROGRESS
+    until loaded, and one call reports that at its timeout."""
+    from confluent_kafka import KafkaException
+
+    from blockagg.aggregator.kafka.errors import error_of, is_retriable
+
+    started = time.monotonic()
+    while True:
+        try:
+            producer.init_transactions(30)
+        except KafkaException as exc:
+            error = error_of(exc)
+            waited = time.monotonic() - started
+            if error is None or error.fatal() or not is_retriable(error) or waited > budget_s:
+                raise
+            print(f"\ninit_transactions after {waited:.1f}s: {error.str()}; again")
+        else:
+            return
+
+
 def transactional_round(control: StackControl, topic: str, group: str, n: int = 20) -> int:
     """Produce ``n`` records and commit an offset for ``group`` in one transaction
     (acks=all, idempotent); returns how many a read_committed consumer then sees."""
@@ -87,7 +111,7 @@ def transactional_round(control: StackControl, topic: str, group: str, n: int = 
                          "enable.idempotence": True,
                          "transactional.id": f"cluster-{uuid.uuid4().hex[:8]}",
                          "transaction.timeout.ms": 30_000, "log_level": 0})
-    producer.init_transactions(60)
+    init_transactions(producer, 180)
     producer.begin_transaction()
     for i in range(n):
         producer.produce(topic, value=f"m{i}".encode())

@@ -55,6 +55,12 @@ TRANSACTION_TIMEOUT_MS: Final = 10_000
 """A commit transaction's ``transaction.timeout.ms``: the longest an attempt stalled in a
 commit keeps it open before the coordinator aborts it."""
 
+INIT_TRIES: Final = 4
+"""How many ``init_transactions()`` calls an attempt makes while each fails with a
+retriable error, each given the store's timeout (30 s by default): a coordinator that
+is still loading its partition after that is a broker failure Spark's task retry
+waits out better than one call."""
+
 HUNG_CALL_GRACE_S: Final = 15.0
 """How long past the timeout it was given a transactional call of librdkafka may take
 before the attempt stops waiting for it (:func:`within`)."""
@@ -246,10 +252,18 @@ class FencedAttempt:
             for _ in range(2):
                 self._bounded(lambda: self._producer.list_topics(topic, self._timeout),
                               "list_topics")
-            self._bounded(lambda: self._producer.init_transactions(self._timeout),
-                          "init_transactions")
+            self._init_transactions()
         except KafkaException as exc:
             self._reusable = False
+            error = error_of(exc)
+            if error is not None and not error.fatal() and is_retriable(error):
+                raise MetadataCommitError(
+                    f"{self._where}: the transaction coordinator of "
+                    f"{self.transactional_id!r} did not answer within {INIT_TRIES} tries of "
+                    f"{self._timeout:g}s: {exc}. Its __transaction_state partition has no "
+                    "leader that has finished loading it (a broker failing over); this "
+                    "attempt stops and Spark's retry tries again. Nothing was written."
+                ) from exc
             raise MetadataCommitError(
                 f"{self._where}: could not initialise the transactional id "
                 f"{self.transactional_id!r} that fences older attempts: {exc}. The brokers "
@@ -257,6 +271,31 @@ class FencedAttempt:
                 "grant Write and Describe on the TransactionalId prefix "
                 f"'blockagg.{store.group_id}.' and IdempotentWrite on the cluster."
             ) from exc
+
+    def _init_transactions(self) -> None:
+        """``init_transactions()``, called again while it fails with a retriable error,
+        as librdkafka documents: after a broker failure the transaction coordinator
+        moves, and its new leader answers ``COORDINATOR_LOAD_IN_PROGRESS`` until it has
+        read the id's partition of ``__transaction_state``. librdkafka retries inside
+        one call and, at its timeout, reports the last error it saw; the next call
+        resumes the same request. Fencing holds throughout: no epoch is ours until a
+        call returns."""
+        delay = self._backoff
+        wait = logs.SlowWait(log, f"the transaction coordinator of {self._where}",
+                             clock=self.store.clock)
+        for tries in range(INIT_TRIES):
+            try:
+                self._bounded(lambda: self._producer.init_transactions(self._timeout),
+                              "init_transactions")
+                return
+            except KafkaException as exc:
+                error = error_of(exc)
+                if (error is None or error.fatal() or not is_retriable(error)
+                        or tries == INIT_TRIES - 1):
+                    raise
+                wait.note(attempt=tries + 1, attempts=INIT_TRIES, error=str(exc))
+                self._sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def _bounded(self, call: Callable[[], R], what: str) -> R:
         """``call()`` through :func:`within`; a call that hangs ends this attempt with

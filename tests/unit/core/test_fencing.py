@@ -41,6 +41,8 @@ class Coordinator:
         self.history: list[str] = []
         self.epochs: dict[str, int] = {}
         self.fail_next: list[KafkaError] = []
+        self.init_failures: list[KafkaError] = []
+        self.init_calls = 0
 
 
 class GroupConsumer:
@@ -78,6 +80,9 @@ class TxnProducer:
         return SimpleNamespace(topics={topic: None})
 
     def init_transactions(self, timeout: float = 0) -> None:
+        self.coordinator.init_calls += 1
+        if self.coordinator.init_failures:
+            raise KafkaException(self.coordinator.init_failures.pop(0))
         self.epoch = self.coordinator.epochs.get(self.tid, -1) + 1
         self.coordinator.epochs[self.tid] = self.epoch
 
@@ -154,6 +159,46 @@ def test_an_abortable_error_is_aborted_and_retried_a_fatal_one_is_not() -> None:
                                           fatal=True)]
     with pytest.raises(MetadataCommitError, match="safe to run again"):
         one.commit("t", 0, 6, "ba1:y")
+
+
+def loading() -> KafkaError:
+    """What librdkafka's ``init_transactions`` reports at its timeout while the
+    coordinator's new leader is still loading its partition."""
+    return KafkaError(KafkaError.COORDINATOR_LOAD_IN_PROGRESS, retriable=True)
+
+
+def test_a_coordinator_still_loading_is_asked_again_and_the_fence_holds() -> None:
+    coordinator = Coordinator()
+    _, attempt = store_and_opener(coordinator)
+    old = attempt("t", 0)
+    old.commit("t", 0, 10, "ba1:old")
+    coordinator.init_failures = [loading()] * (fencing.INIT_TRIES - 1)
+    new = attempt("t", 0)
+    assert coordinator.init_calls == 1 + fencing.INIT_TRIES
+    with pytest.raises(AttemptFenced):
+        old.commit("t", 0, 12, "ba1:zombie")
+    new.commit("t", 0, 11, "ba1:new")
+    assert coordinator.offsets[("t", 0)] == (11, "ba1:new")
+
+
+def test_a_coordinator_loading_past_every_try_fails_the_attempt_saying_so() -> None:
+    coordinator = Coordinator()
+    _, attempt = store_and_opener(coordinator)
+    coordinator.init_failures = [loading()] * fencing.INIT_TRIES
+    with pytest.raises(MetadataCommitError, match=r"did not answer within 4 tries.*"
+                                                  r"Nothing was written") as caught:
+        attempt("t", 0)
+    assert "COORDINATOR_LOAD_IN_PROGRESS" in str(caught.value)
+    assert coordinator.init_calls == fencing.INIT_TRIES and coordinator.epochs == {}
+
+
+def test_a_refused_transactional_id_is_not_asked_again_and_names_the_acls() -> None:
+    coordinator = Coordinator()
+    _, attempt = store_and_opener(coordinator)
+    coordinator.init_failures = [KafkaError(KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED)]
+    with pytest.raises(MetadataCommitError, match="IdempotentWrite on the cluster"):
+        attempt("t", 0)
+    assert coordinator.init_calls == 1
 
 
 def test_a_zombie_resumed_after_a_newer_attempt_stores_nothing_twice() -> None:
