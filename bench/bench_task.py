@@ -14,7 +14,12 @@ the servers' share is not in it.
 ``--baseline DIR`` runs the same measurement with the code of another checkout (a
 ``git archive`` of main, say) in child processes, interleaved with this checkout's
 (ABBA: base, new, new, base, ...), each child a fresh process on fresh tables, and
-reports the medians and their ratio. ``--profile FILE`` runs one child of this
+reports the medians and their ratio. ``--warm-rows N`` runs a first batch of ``N`` rows
+(the same tables) before the measured one, in the same process: a Spark Python worker
+is reused from batch to batch (``spark.python.worker.reuse``), so from its second batch
+on its heap has already been grown and touched; a fresh child's measured batch also
+pays the kernel's first touch of every page it grows into (``faults``, minor page
+faults in the measured batch, a few µs each on these VMs). ``--profile FILE`` runs one child of this
 checkout under py-spy instead. ``--stages`` splits each child's CPU by stage (thread
 CPU time, the insert lanes' threads included): the rows stage, and each insert's parts
 (the block's columns, the query packet, the server's sample block, the Data packet,
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -111,7 +117,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     host, ports = env["BLOCKAGG_CH_HOST"], env["BLOCKAGG_CH_PORTS"].split(",")
     database = f"bench_task_{uuid.uuid4().hex[:8]}"
     # One partition of the workload: its messages go to the tables round-robin.
-    rows = Rows(args.rows, args.tables, args.rows_per_message, 1, args.seed, database)
+    rows = Rows(args.rows + args.warm_rows, args.tables, args.rows_per_message, 1,
+                args.seed, database)
     if args.string_bytes:
         from bench.bench_curves import widen
 
@@ -182,8 +189,10 @@ table = "{database}.dead_letters"
     stamps = [1_700_000_000_000] * len(offsets)
     tp = (TOPIC, 0)
     try:
-        # Warm-up: one small batch (imports, connections, plans, live columns).
-        warm = min(len(offsets), args.tables * 2)
+        # Warm-up: one small batch (imports, connections, plans, live columns), or
+        # --warm-rows of them (a worker that has served a batch of that size).
+        warm = (args.warm_rows // args.rows_per_message if args.warm_rows
+                else min(len(offsets), args.tables * 2))
         ctx = TaskContext(config, components, {tp: PlannedRange(TOPIC, 0, 0, warm)}, 1, 1)
         run_range(ctx, tp, offsets[:warm], values[:warm], stamps[:warm])
         ctx = TaskContext(config, components,
@@ -212,9 +221,11 @@ table = "{database}.dead_letters"
             components.writer.insert = profiled_insert
             profiler.enable()
         spent = time_stages() if args.stages else None
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         w0, c0, t0 = time.perf_counter(), time.process_time(), os.times()
         report = run_range(ctx, tp, offsets[warm:], values[warm:], stamps[warm:])
         wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         kernel = os.times().system - t0.system
         if profiler is not None:
             profiler.disable()
@@ -234,7 +245,7 @@ table = "{database}.dead_letters"
     return {"code": str(Path(blockagg.__file__).parents[1]), "rows": measured,
             "stored": stored, "blocks": report["blocks"], "wall_s": wall, "cpu_s": cpu,
             "cpu_s_per_mrows": cpu / measured * 1e6, "rows_per_cpu_s": measured / cpu,
-            "kernel_s": kernel,
+            "kernel_s": kernel, "faults": faults,
             **({"stages": spent} if spent is not None else {})}
 
 
@@ -278,6 +289,7 @@ def run_child(code: Path, args: argparse.Namespace, extra: Sequence[str] = ()
            "--rows-per-message",
            str(args.rows_per_message), "--block-rows", str(args.block_rows),
            "--seed", str(args.seed), "--string-bytes", str(args.string_bytes),
+           "--warm-rows", str(args.warm_rows),
            *(["--stages"] if getattr(args, "stages", False) else [])]
     env = {**os.environ, "PYTHONPATH": str(code)}
     out = subprocess.run(cmd, env=env, cwd=code, check=True, capture_output=True, text=True)
@@ -295,6 +307,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--string-bytes", type=int, default=0,
                     help="each row's name a string of this many bytes (bench_curves' "
                          "row_width point: 1024)")
+    ap.add_argument("--warm-rows", type=int, default=0,
+                    help="rows of a first batch in the same process before the measured "
+                         "one (default: a small batch of two messages a table)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="a checkout to compare with (ABBA)")
     ap.add_argument("--profile", type=Path, help="py-spy one run of this checkout into FILE")
@@ -313,7 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(child(args)))
         return 0
     load = os.getloadavg()
-    print(f"# rows={args.rows:,} in one partition, tables={args.tables} "
+    warm = (f"a first batch of {args.warm_rows:,}" if args.warm_rows
+            else "a warm-up of two messages a table")
+    print(f"# rows={args.rows:,} in one partition after {warm}, tables={args.tables} "
           f"rows/message={args.rows_per_message} max_rows={args.block_rows:,} "
           f"string_bytes={args.string_bytes}; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start")
@@ -334,6 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[name].append(result)
         kernel = result.get("kernel_s")  # a baseline's older child may not say
         share = "" if kernel is None else f" ({100 * kernel / result['cpu_s']:.0f}% in the kernel)"
+        faults = result.get("faults")
+        share += "" if faults is None else f" {faults:,} page faults"
         print(f"{name:<5} {result['cpu_s_per_mrows']:6.2f} CPU-s/Mrows{share}  "
               f"wall {result['wall_s']:6.2f} s  rows {result['rows']:,} "
               f"stored {result['stored']:,} blocks {result['blocks']}  ({result['code']})",
