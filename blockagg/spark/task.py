@@ -81,6 +81,7 @@ from blockagg.spark.components import (
     open_attempt,
 )
 from blockagg.spark.exceptions import TaskContractError
+from blockagg.spark.heap import keep_heap
 from blockagg.spark.offsets import PlannedRange, TopicPartition
 
 _log = logs.get("task")
@@ -377,6 +378,7 @@ def run_range(
 ) -> dict[str, Any]:
     """Run the protocol over one planned range; return the report dict."""
     logs.setup_worker()
+    keep_heap()
     started = time.time()
     config = ctx.config
     rng = ctx.ranges.get(tp)
