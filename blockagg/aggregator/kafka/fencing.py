@@ -255,15 +255,6 @@ class FencedAttempt:
             self._init_transactions()
         except KafkaException as exc:
             self._reusable = False
-            error = error_of(exc)
-            if error is not None and not error.fatal() and is_retriable(error):
-                raise MetadataCommitError(
-                    f"{self._where}: the transaction coordinator of "
-                    f"{self.transactional_id!r} did not answer within {INIT_TRIES} tries of "
-                    f"{self._timeout:g}s: {exc}. Its __transaction_state partition has no "
-                    "leader that has finished loading it (a broker failing over); this "
-                    "attempt stops and Spark's retry tries again. Nothing was written."
-                ) from exc
             raise MetadataCommitError(
                 f"{self._where}: could not initialise the transactional id "
                 f"{self.transactional_id!r} that fences older attempts: {exc}. The brokers "
@@ -290,9 +281,17 @@ class FencedAttempt:
                 return
             except KafkaException as exc:
                 error = error_of(exc)
-                if (error is None or error.fatal() or not is_retriable(error)
-                        or tries == INIT_TRIES - 1):
+                if error is None or error.fatal() or not is_retriable(error):
                     raise
+                if tries == INIT_TRIES - 1:
+                    self._reusable = False
+                    raise MetadataCommitError(
+                        f"{self._where}: the transaction coordinator of "
+                        f"{self.transactional_id!r} did not answer within {INIT_TRIES} "
+                        f"calls of {self._timeout:g}s: {exc}. Its __transaction_state "
+                        "partition has no leader that has finished loading it (a broker "
+                        "failing over); this attempt stops and Spark's retry tries again. "
+                        "Nothing was written.") from exc
                 wait.note(attempt=tries + 1, attempts=INIT_TRIES, error=str(exc))
                 self._sleep(delay)
                 delay = min(delay * 2, 5.0)

@@ -185,7 +185,7 @@ def test_a_coordinator_loading_past_every_try_fails_the_attempt_saying_so() -> N
     coordinator = Coordinator()
     _, attempt = store_and_opener(coordinator)
     coordinator.init_failures = [loading()] * fencing.INIT_TRIES
-    with pytest.raises(MetadataCommitError, match=r"did not answer within 4 tries.*"
+    with pytest.raises(MetadataCommitError, match=r"did not answer within 4 calls.*"
                                                   r"Nothing was written") as caught:
         attempt("t", 0)
     assert "COORDINATOR_LOAD_IN_PROGRESS" in str(caught.value)
