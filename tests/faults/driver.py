@@ -71,6 +71,7 @@ CLUSTER_KINDS = (
     "controller_kill9",         # of the active controller (the KRaft quorum's leader)
     "broker_pause",             # one node SIGSTOPped for a while, the other two go on
     "broker_cut",               # one node cut off the network both ways for a while
+    "txn_coordinator_cut",      # a partition's transaction coordinator cut off, likewise
     "rolling_restart",          # every node in turn: controlled shutdown, back, ISR full
     "leader_move",              # reassignment to a new preferred replica + preferred election
 )
@@ -78,8 +79,15 @@ CLUSTER_KINDS = (
 matters at that moment, found from the cluster's own metadata when it is injected."""
 
 BROKER_PAUSE_S = (10.0, 60.0)
-"""How long ``broker_pause`` keeps its node stopped and ``broker_cut`` its node cut off,
-drawn between the two."""
+"""How long ``broker_pause`` keeps its node stopped and the :data:`CUT_KINDS` their node
+cut off, drawn between the two."""
+
+CUT_KINDS = frozenset({"broker_cut", "txn_coordinator_cut"})
+"""Kinds that cut a node off the network: they need the stack's nodes isolated."""
+
+_COORDINATOR_WAIT = b"still waiting for the transaction coordinator of "
+"""The job's WARN line for each ``init_transactions()`` call the coordinator did not
+answer (``FencedAttempt._init_transactions``)."""
 
 WEIGHT = {"topic_recreate": 0.25}
 """How often a kind is drawn after the first of each, relative to 1 for the others:
@@ -270,6 +278,15 @@ class Job:
         except OSError:
             return 0
 
+    def log_since(self, mark: int) -> bytes:
+        """The job's log from ``mark`` (:meth:`log_mark`) on."""
+        try:
+            with open(self.log, "rb") as log:
+                log.seek(mark)
+                return log.read()
+        except OSError:
+            return b""
+
     def progress(self, mark: int) -> Progress:
         """What the pipeline did since ``mark`` (:meth:`log_mark`), from its log."""
         try:
@@ -455,16 +472,25 @@ def cluster_fault(kind: str, job: Job, stack: StackControl, rng: random.Random,
             time.sleep(seconds)
         return {"node": node, "seconds": round(seconds, 1),
                 "isr_s": round(stack.wait_in_sync(), 1)}
-    if kind == "broker_cut":
+    if kind in CUT_KINDS:
         refused = stack.cut_unavailable()
         if refused:
-            raise ValueError(f"broker_cut refused: {refused}")
-        node = rng.choice(stack.broker_ids)
+            raise ValueError(f"{kind} refused: {refused}")
+        if kind == "broker_cut":
+            target: dict[str, Any] = {"node": rng.choice(stack.broker_ids)}
+        else:
+            partition = _job_partition(job, rng)
+            tid = transactional_id(workload.group, topic, partition)
+            target = {**on, "transactional_id": tid,
+                      "node": stack.transaction_coordinator(tid)}
+        mark = job.log_mark()
         seconds = rng.uniform(*pause_s)
-        with stack.cut(node):
+        with stack.cut(target["node"]):
             time.sleep(seconds)
-        return {"node": node, "seconds": round(seconds, 1),
-                "isr_s": round(stack.wait_in_sync(), 1)}
+        target.update(seconds=round(seconds, 1), isr_s=round(stack.wait_in_sync(), 1))
+        if kind == "txn_coordinator_cut":
+            target["coordinator_waits"] = job.log_since(mark).count(_COORDINATOR_WAIT)
+        return target
     if kind == "rolling_restart":
         took = {}
         for node in stack.broker_ids:
@@ -921,9 +947,11 @@ def run(stack: StackControl, kinds: list[str], faults: int, messages: int, seed:
     if cluster_only and len(stack.broker_ids) < 3:
         raise ValueError(f"{', '.join(cluster_only)} need a three-broker stack (--brokers 3); "
                          f"this one has {len(stack.broker_ids)}")
-    if "broker_cut" in kinds and (refused := stack.cut_unavailable()):
-        raise ValueError(f"broker_cut refused before the run: {refused}; drop it from the "
-                         "kinds or run where the stack can isolate its brokers")
+    cuts = sorted(CUT_KINDS.intersection(kinds))
+    if cuts and (refused := stack.cut_unavailable()):
+        raise ValueError(f"{' and '.join(cuts)} refused before the run: {refused}; drop "
+                         f"{'them' if len(cuts) > 1 else 'it'} from the kinds or run where "
+                         "the stack can isolate its brokers")
     shard_ports = stack.shard_ch_ports
     shards = len(shard_ports) if shards is None else shards
     if not 1 <= shards <= len(shard_ports):
@@ -1062,11 +1090,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, choices=(1, 2), default=1,
                     help="ClickHouse shards of the private stack")
     ap.add_argument("--broker-pause", default="10,60", metavar="MIN,MAX",
-                    help="seconds broker_pause keeps its node stopped and broker_cut its "
-                         "node cut off")
+                    help="seconds broker_pause keeps its node stopped and broker_cut and "
+                         "txn_coordinator_cut their node cut off")
     ap.add_argument("--isolate-brokers", action=argparse.BooleanOptionalAction, default=None,
                     help="with --brokers 3: each node in its own network namespace (needs "
-                         "root and ip; default: where possible), which broker_cut needs")
+                         "root and ip; default: where possible), which broker_cut and "
+                         "txn_coordinator_cut need")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--folder", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None,

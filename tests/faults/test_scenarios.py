@@ -156,8 +156,11 @@ def test_every_cluster_kind_once(cluster_stack: StackControl, tmp_path: Path) ->
     by_kind = {e["kind"]: e for e in outcome.events}
     nodes = set(cluster_stack.broker_ids)
     for kind in ("leader_kill9", "group_coordinator_kill9", "txn_coordinator_kill9",
-                 "controller_kill9", "broker_pause", "broker_cut", "broker_kill9"):
+                 "controller_kill9", "broker_pause", "broker_cut", "txn_coordinator_cut",
+                 "broker_kill9"):
         assert by_kind[kind]["node"] in nodes, by_kind[kind]
+    cut = by_kind["txn_coordinator_cut"]
+    assert cut["transactional_id"].startswith(f"blockagg.{job.workload.group}."), cut
     assert set(by_kind["rolling_restart"]["node_s"]) == {str(n) for n in nodes}
     moved = by_kind["leader_move"]["leaders"]
     assert all(before != after for before, after in moved.values()), moved

@@ -135,10 +135,11 @@ def test_an_error_in_one_stream_stops_the_others_and_is_raised() -> None:
     assert len(run.ran) < 500
 
 
-def test_broker_cut_is_refused_on_a_stack_whose_brokers_are_not_isolated() -> None:
-    """``broker_cut`` needs the nodes in network namespaces (``--isolate-brokers``): on a
-    three-broker stack on loopback :func:`driver.run` refuses it in one line naming why,
-    before any stack is touched (never a silent skip)."""
+def test_the_cuts_are_refused_on_a_stack_whose_brokers_are_not_isolated() -> None:
+    """``broker_cut`` and ``txn_coordinator_cut`` need the nodes in network namespaces
+    (``--isolate-brokers``): on a three-broker stack on loopback :func:`driver.run`
+    refuses them in one line naming why, before any stack is touched (never a silent
+    skip)."""
     from pathlib import Path
 
     from tests.faults.stack import StackControl, fault_stack_env
@@ -148,6 +149,13 @@ def test_broker_cut_is_refused_on_a_stack_whose_brokers_are_not_isolated() -> No
     with pytest.raises(ValueError, match=r"broker_cut refused before the run: its Kafka "
                                          r"nodes are not isolated .*--isolate-brokers"):
         driver.run(loopback, ["broker_pause", "broker_cut"], faults=2, messages=10, seed=1,
+                   folder=Path("/nonexistent"))
+    with pytest.raises(ValueError, match=r"^broker_cut and txn_coordinator_cut refused "
+                                         r"before the run: .*drop them from the kinds"):
+        driver.run(loopback, ["txn_coordinator_cut", "broker_cut"], faults=2, messages=10,
+                   seed=1, folder=Path("/nonexistent"))
+    with pytest.raises(ValueError, match=r"^txn_coordinator_cut refused before the run"):
+        driver.run(loopback, ["txn_coordinator_cut"], faults=1, messages=10, seed=1,
                    folder=Path("/nonexistent"))
     isolated = StackControl(fault_stack_env(brokers=3, isolate_brokers=True))
     assert isolated.cut_unavailable() is None

@@ -49,7 +49,8 @@ class TopicIncarnations:
                 result = self._client().describe_cluster(
                     request_timeout=self.timeout_s).result(self.timeout_s)
             except Exception as exc:
-                raise IncarnationError(f"can't read the Kafka cluster id: {exc}") from exc
+                raise IncarnationError(
+                    f"can't read the Kafka cluster id: {self._why(exc)}") from exc
             if not result.cluster_id:
                 raise IncarnationError("the Kafka cluster reports no cluster id; blockagg "
                                        "needs a KRaft or ZooKeeper cluster of Kafka 2.8+")
@@ -64,8 +65,16 @@ class TopicIncarnations:
                                                      request_timeout=self.timeout_s)
             description = futures[topic].result(self.timeout_s)
         except Exception as exc:
-            raise IncarnationError(f"can't read the topic id of {topic}: {exc}") from exc
+            raise IncarnationError(
+                f"can't read the topic id of {topic}: {self._why(exc)}") from exc
         return str(description.topic_id)
+
+    def _why(self, exc: BaseException) -> str:
+        """What went wrong, in words: a future that timed out has no text of its own."""
+        if isinstance(exc, TimeoutError):
+            return (f"no broker answered within {self.timeout_s:g}s (a broker cut off or "
+                    "failing over; the batch's next attempt asks again)")
+        return str(exc) or type(exc).__name__
 
     def of(self, topic: str) -> int:
         """The topic's current incarnation (:func:`aggregator.core.metadata.incarnation_of`)."""
