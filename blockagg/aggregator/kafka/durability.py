@@ -160,6 +160,8 @@ def read(config: Mapping[str, Any], data_topics: Sequence[str],
     permission)."""
     from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
 
+    from blockagg.aggregator.kafka.errors import describe, unanswered
+
     admin = AdminClient(logs.kafka_client_config(config))
     try:
         cluster = admin.describe_cluster(request_timeout=timeout).result(timeout)
@@ -180,10 +182,17 @@ def read(config: Mapping[str, Any], data_topics: Sequence[str],
                    for res, fut in futures.items()}
     except Exception as exc:
         servers = str(config.get("bootstrap.servers", ""))
+        if unanswered(exc):
+            raise UnsafeKafkaDurability(
+                f"can't read the durability settings of the Kafka cluster {servers}: no "
+                f"broker answered within {timeout:.0f}s ({describe(exc)}). A broker is down "
+                "or failing over, or the cluster is out of the driver's reach; nothing was "
+                "written, so start the job again once the cluster answers (or accept not "
+                f"knowing with {OPT_OUT})") from None
         raise UnsafeKafkaDurability(
             f"can't read the durability settings of the Kafka cluster {servers} within "
-            f"{timeout:.0f}s ({exc}): grant DescribeConfigs on its topics and cluster, or "
-            f"accept not knowing with {OPT_OUT}") from None
+            f"{timeout:.0f}s ({describe(exc)}): grant DescribeConfigs on its topics and "
+            f"cluster, or accept not knowing with {OPT_OUT}") from None
     replicas = {name: [len(p.replicas) for p in t.partitions.values()]
                 for name, t in present.items()}
     return brokers, described(wanted, replicas, configs)

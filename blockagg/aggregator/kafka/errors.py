@@ -34,3 +34,32 @@ def error_of(exc: BaseException) -> KafkaError | None:
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
         return exc.args[0]
     return None
+
+
+UNANSWERED_CODES: Final = frozenset(
+    {
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError._TIMED_OUT,
+        KafkaError._TRANSPORT,
+        KafkaError._ALL_BROKERS_DOWN,
+        KafkaError._DESTROY_BROKER,
+    }
+)
+"""Codes that mean no answer came (a timeout, a connection lost or dropped), as opposed
+to a broker's refusal."""
+
+
+def unanswered(exc: BaseException) -> bool:
+    """Whether ``exc`` says Kafka did not answer: a future that timed out, or a
+    :data:`UNANSWERED_CODES` error. Then the fix is the cluster's reachability, never a
+    permission or a setting, and an error message must not suggest one."""
+    if isinstance(exc, TimeoutError):
+        return True
+    error = error_of(exc)
+    return error is not None and error.code() in UNANSWERED_CODES
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` in words: its text, or its type's name when it has none (a future that
+    timed out raises a ``TimeoutError`` without text)."""
+    return str(exc) or type(exc).__name__

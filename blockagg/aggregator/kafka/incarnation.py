@@ -19,6 +19,7 @@ from typing import Any
 
 from blockagg import logs
 from blockagg.aggregator.core.metadata import incarnation_of
+from blockagg.aggregator.kafka.errors import describe, unanswered
 from blockagg.aggregator.kafka.exceptions import KafkaAdapterError
 
 
@@ -70,11 +71,10 @@ class TopicIncarnations:
         return str(description.topic_id)
 
     def _why(self, exc: BaseException) -> str:
-        """What went wrong, in words: a future that timed out has no text of its own."""
-        if isinstance(exc, TimeoutError):
-            return (f"no broker answered within {self.timeout_s:g}s (a broker cut off or "
-                    "failing over; the batch's next attempt asks again)")
-        return str(exc) or type(exc).__name__
+        if unanswered(exc):
+            return (f"no broker answered within {self.timeout_s:g}s ({describe(exc)}): a "
+                    "broker cut off or failing over; the batch's next attempt asks again")
+        return describe(exc)
 
     def of(self, topic: str) -> int:
         """The topic's current incarnation (:func:`aggregator.core.metadata.incarnation_of`)."""

@@ -204,3 +204,56 @@ def test_running_md_shows_the_line_the_check_prints() -> None:
     doc = (Path(__file__).parents[3] / "docs" / "running.md").read_text()
     [_, isr] = assess(3, [TopicDurability("orders", "data topic", 1, 1, False)]).findings
     assert f"```\n{isr.line()}\n```" in doc
+
+
+class _SilentAdmin:
+    """An AdminClient whose cluster read ends with ``error``: a broker that never answers
+    (a future's ``TimeoutError``, or librdkafka's ``_TIMED_OUT``) or one that refuses."""
+
+    error: BaseException = TimeoutError()
+
+    def __init__(self, config: object) -> None:
+        pass
+
+    def describe_cluster(self, request_timeout: float) -> object:
+        from concurrent.futures import Future
+
+        future: Future[object] = Future()
+        future.set_exception(self.error)
+        return future
+
+
+@pytest.mark.parametrize("error", ["future", "librdkafka"])
+def test_a_cluster_that_does_not_answer_is_named_as_such_not_as_a_permission(
+        monkeypatch: pytest.MonkeyPatch, error: str) -> None:
+    """A broker cut off at the start (seen in a ``txn_coordinator_cut`` run): the refusal
+    says no broker answered and that nothing was written, never to grant DescribeConfigs,
+    and is never blank (a future that timed out has no text)."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka import admin as kafka_admin
+
+    silent = (TimeoutError() if error == "future"
+              else KafkaException(KafkaError(KafkaError._TIMED_OUT, "Timed out")))
+    monkeypatch.setattr(_SilentAdmin, "error", silent)
+    monkeypatch.setattr(kafka_admin, "AdminClient", _SilentAdmin)
+    with pytest.raises(UnsafeKafkaDurability) as err:
+        durability.read({"bootstrap.servers": "k1:9092,k2:9092"}, ["orders"], {}, 6.0)
+    text = str(err.value)
+    assert text.startswith("can't read the durability settings of the Kafka cluster "
+                           "k1:9092,k2:9092: no broker answered within 6s (")
+    assert "()" not in text and "DescribeConfigs" not in text
+    assert "nothing was written" in text and OPT_OUT in text
+
+
+def test_a_refused_read_still_names_the_permission(monkeypatch: pytest.MonkeyPatch) -> None:
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka import admin as kafka_admin
+
+    refused = KafkaException(KafkaError(KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+                                        "Cluster authorization failed"))
+    monkeypatch.setattr(_SilentAdmin, "error", refused)
+    monkeypatch.setattr(kafka_admin, "AdminClient", _SilentAdmin)
+    with pytest.raises(UnsafeKafkaDurability,
+                       match=r"within 6s \(.*Cluster authorization failed.*\): grant "
+                             r"DescribeConfigs on its topics and cluster"):
+        durability.read({"bootstrap.servers": "k1:9092"}, ["orders"], {}, 6.0)

@@ -37,7 +37,8 @@ def _reader(error: BaseException) -> TopicIncarnations:
 
 def test_a_topic_id_read_that_timed_out_says_so() -> None:
     with pytest.raises(IncarnationError, match=r"^can't read the topic id of events: no "
-                                               r"broker answered within 30s \(a broker cut"):
+                                               r"broker answered within 30s \(TimeoutError\)"
+                                               r": a broker cut off"):
         _reader(TimeoutError()).topic_id("events")
 
 
@@ -52,3 +53,12 @@ def test_an_error_with_text_keeps_it_and_one_without_is_named() -> None:
         _reader(RuntimeError("UNKNOWN_TOPIC_OR_PART")).topic_id("events")
     with pytest.raises(IncarnationError, match=r"of events: ConnectionError$"):
         _reader(ConnectionError()).topic_id("events")
+
+
+def test_librdkafkas_own_timeout_reads_the_same() -> None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    timed_out = KafkaException(KafkaError(KafkaError._TIMED_OUT, "Timed out"))
+    with pytest.raises(IncarnationError, match=r"of events: no broker answered within 30s "
+                                               r"\(KafkaError.*Timed out.*\): a broker cut"):
+        _reader(timed_out).topic_id("events")
