@@ -23,7 +23,10 @@ a machine whose load drifts), each on fresh tables:
   works off N rows of its own, then gets the point's rows in one Kafka transaction, which
   it reads whole as one catch-up batch (``bench_e2e.Bench.warm_run``): a streaming job's
   JVM has compiled its code and its Python workers are up, which a fresh job's first
-  batch pays for (C1/C2 compiler threads, worker start-up: docs/BENCHMARKS.md);
+  batch pays for (C1/C2 compiler threads, worker start-up: docs/BENCHMARKS.md). The
+  warm-up's parts are merged away before the measured rows come
+  (``Bench.settle_merges``; ``--keep-warm-parts`` skips it), so the job's inserts and
+  the limit's meet servers merging only their own parts;
 * with ``--variants c8,s4``, also ``job_c8``, ``job_s4``: the job with
   ``clickhouse.insert_concurrency = 8`` or 4 Spark task slots on the same cores
   (``bench_e2e``'s ``exactly_once_cN`` and ``exactly_once_sN`` modes; ``s4c2`` both),
@@ -454,7 +457,8 @@ class Runner:
         warm_rows = getattr(self.args, "warm_rows", 0)
         r = (b.warm_run(mode, cores, self.args.block_rows, warm_rows,
                         not getattr(self.args, "keep_page_cache", True),
-                        getattr(self.args, "warm_batches", 1)) if warm_rows
+                        getattr(self.args, "warm_batches", 1),
+                        not getattr(self.args, "keep_warm_parts", False)) if warm_rows
              else b.one_run(mode, cores, self.args.block_rows))
         tag = f"{mode}-{cores}-{self.args.block_rows}-{b.generation}"
         log = b.folder / f"{tag}.log"
@@ -485,6 +489,7 @@ class Runner:
                                    if r.seconds else 0.0),
             "python_share": python_share(text, slots),
             "quorum_waits": quorum_waits(text),
+            **({"settle_s": r.settle_s} if r.settle_s is not None else {}),
             "inserts_per_batch": median(blocks),
             "rows_per_block": sum(rows) / sum(blocks) if blocks else 0.0,
             **metadata,
@@ -661,6 +666,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-page-cache", action="store_true",
                     help="do not drop the kernel's page cache before each run (by default "
                     "every run starts from a dropped cache: bench.workload.drop_page_cache)")
+    ap.add_argument("--keep-warm-parts", action="store_true",
+                    help="with --warm-rows: measure the job while the servers still merge "
+                         "its warm-up's parts (before 2026-11-29; by default they are merged "
+                         "away first: bench_e2e.Bench.settle_merges)")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--block-rows", type=int, default=100_000, help="the job's blocks.max_rows")
     ap.add_argument("--large-block-rows", type=int, default=100_000)

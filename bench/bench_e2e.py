@@ -148,6 +148,9 @@ class RunResult:
     jvm: dict[str, Any] | None = None
     """With ``--jfr``, a warm run's JVM samples over its measured interval
     (:func:`bench.jvm_samples.summarize`)."""
+    settle_s: float | None = None
+    """A warm run's seconds from the warm-up's last row to its parts merged away on
+    every replica (:meth:`Bench.settle_merges`); ``None`` when not settled."""
 
     @property
     def rows_per_s(self) -> float:
@@ -313,6 +316,36 @@ class Bench:
             f"{name}', '{{replica}}') ORDER BY id" for name in names] + [dead_letter_ddl(
                 f"{self.database}.dead_letters",
                 zk_path=f"/clickhouse/tables/{{shard}}/{self.database}/g{g}/dead_letters")])
+
+    def settle_merges(self, timeout: float = 300.0) -> float:
+        """Merge away what a warm-up inserted, then wait until no replica merges or has
+        a replication task queued in the run's database; returns the seconds it took.
+
+        Why: a warm run's measured batch goes into the tables its warm-up filled (3M
+        rows at 100 tables and 8 partitions are 2,400 parts on each replica), and right
+        after a warm-up the servers are still merging those parts. The same-blocks
+        limit inserts into fresh tables, so without this the job alone paid for the
+        merges (25-60 % more server CPU a row at 1,250 rows a block,
+        docs/BENCHMARKS.md). ``OPTIMIZE ... FINAL`` leaves one part a table, which the
+        second replica fetches; the measured inserts then meet servers that merge only
+        their own parts, as the limit's do."""
+        from bench.workload import execute_everywhere
+
+        started = time.monotonic()
+        execute_everywhere(self.host, self.ports[:1], [
+            f"OPTIMIZE TABLE {self.database}.{name} FINAL" for name in self.table_names()])
+        quiet = 0
+        while quiet < 2:  # twice in a row: a fetch can queue a merge as it lands
+            busy = sum(c.execute(
+                "SELECT (SELECT count() FROM system.merges WHERE database = %(db)s) + "
+                "(SELECT count() FROM system.replication_queue WHERE database = %(db)s)",
+                {"db": self.database})[0][0] for c in self.clients)
+            quiet = 0 if busy else quiet + 1
+            if time.monotonic() - started > timeout:
+                raise RuntimeError(f"the warm-up's parts still merging after {timeout:g}s "
+                                   f"({busy} merges and replication tasks)")
+            time.sleep(0.5)
+        return time.monotonic() - started
 
     def drop_tables(self, like: str = "%") -> None:
         """Drop the run's tables whose name is ``LIKE like``, many at a time on each
@@ -490,7 +523,8 @@ port = 0
                        servers_at_first)
 
     def warm_run(self, mode: str, cores: int, block_rows: int, warm_rows: int,
-                 drop_cache: bool = True, warm_batches: int = 1) -> RunResult:
+                 drop_cache: bool = True, warm_batches: int = 1,
+                 settle: bool = True) -> RunResult:
         """:meth:`one_run`'s measurement on a job that has already run a batch: the
         job's JVM compiled, its Python workers started, its connections open, as a
         job streaming for a while has them. Each run gets a topic of its own: first
@@ -503,7 +537,8 @@ port = 0
         over the first batches, not the first rows (docs/BENCHMARKS.md, "1 KiB rows, the
         driver's progress poll, and the JVM's share of a warm batch"). Measured from
         that commit, the page cache dropped just before the measured rows are produced
-        (``drop_cache``); the job is stopped (SIGTERM) once every row is visible."""
+        (``drop_cache``), after the warm-up's parts are merged away (``settle``,
+        :meth:`settle_merges`); the job is stopped (SIGTERM) once every row is visible."""
         from bench.workload import drop_page_cache, produce
 
         self.fresh_tables()
@@ -535,6 +570,7 @@ port = 0
                     raise RuntimeError(f"{tag}: warm-up batch {k + 1} did not land; log {log}")
                 time.sleep(0.25)
         time.sleep(2)  # the warm-up batch's final commits, after its last insert
+        settle_s = self.settle_merges() if settle else None
         log_offset = log.stat().st_size
         if drop_cache:
             drop_page_cache()
@@ -577,7 +613,8 @@ port = 0
                                           for k in kinds_at_done},
                          jvm_threads_cpu={k: v - threads_at_start.get(k, 0.0)
                                           for k, v in threads_at_done.items()
-                                          if v - threads_at_start.get(k, 0.0) > 0})
+                                          if v - threads_at_start.get(k, 0.0) > 0},
+                         settle_s=settle_s)
 
     def latency(self, block_rows: int, mode: str = "exactly_once") -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""
