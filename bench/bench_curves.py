@@ -24,9 +24,9 @@ a machine whose load drifts), each on fresh tables:
   it reads whole as one catch-up batch (``bench_e2e.Bench.warm_run``): a streaming job's
   JVM has compiled its code and its Python workers are up, which a fresh job's first
   batch pays for (C1/C2 compiler threads, worker start-up: docs/BENCHMARKS.md). The
-  warm-up's parts are merged away before the measured rows come
-  (``Bench.settle_merges``; ``--keep-warm-parts`` skips it), so the job's inserts and
-  the limit's meet servers merging only their own parts;
+  measured rows come once the servers have done merging the warm-up's parts
+  (``Bench.settle_merges``; ``--keep-warm-parts`` skips the wait), so the job's
+  inserts and the limit's meet servers merging only their own parts;
 * with ``--variants c8,s4``, also ``job_c8``, ``job_s4``: the job with
   ``clickhouse.insert_concurrency = 8`` or 4 Spark task slots on the same cores
   (``bench_e2e``'s ``exactly_once_cN`` and ``exactly_once_sN`` modes; ``s4c2`` both),
@@ -668,8 +668,8 @@ def main(argv: list[str] | None = None) -> int:
                     "every run starts from a dropped cache: bench.workload.drop_page_cache)")
     ap.add_argument("--keep-warm-parts", action="store_true",
                     help="with --warm-rows: measure the job while the servers still merge "
-                         "its warm-up's parts (before 2026-11-29; by default they are merged "
-                         "away first: bench_e2e.Bench.settle_merges)")
+                         "its warm-up's parts (before 2026-11-29; by default the run waits "
+                         "for those merges: bench_e2e.Bench.settle_merges)")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--block-rows", type=int, default=100_000, help="the job's blocks.max_rows")
     ap.add_argument("--large-block-rows", type=int, default=100_000)

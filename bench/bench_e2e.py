@@ -149,8 +149,8 @@ class RunResult:
     """With ``--jfr``, a warm run's JVM samples over its measured interval
     (:func:`bench.jvm_samples.summarize`)."""
     settle_s: float | None = None
-    """A warm run's seconds from the warm-up's last row to its parts merged away on
-    every replica (:meth:`Bench.settle_merges`); ``None`` when not settled."""
+    """A warm run's seconds waited for the warm-up's merges to end on every replica
+    (:meth:`Bench.settle_merges`); ``None`` when not waited for."""
 
     @property
     def rows_per_s(self) -> float:
@@ -318,24 +318,20 @@ class Bench:
                 zk_path=f"/clickhouse/tables/{{shard}}/{self.database}/g{g}/dead_letters")])
 
     def settle_merges(self, timeout: float = 300.0) -> float:
-        """Merge away what a warm-up inserted, then wait until no replica merges or has
-        a replication task queued in the run's database; returns the seconds it took.
+        """Wait until no replica merges or has a replication task queued in the run's
+        database, three looks in a row half a second apart; returns the seconds waited.
 
         Why: a warm run's measured batch goes into the tables its warm-up filled (3M
         rows at 100 tables and 8 partitions are 2,400 parts on each replica), and right
-        after a warm-up the servers are still merging those parts. The same-blocks
-        limit inserts into fresh tables, so without this the job alone paid for the
-        merges (25-60 % more server CPU a row at 1,250 rows a block,
-        docs/BENCHMARKS.md). ``OPTIMIZE ... FINAL`` leaves one part a table, which the
-        second replica fetches; the measured inserts then meet servers that merge only
-        their own parts, as the limit's do."""
-        from bench.workload import execute_everywhere
-
+        after a warm-up the servers are still merging those parts and fetching the
+        merged ones. The same-blocks limit inserts into fresh tables, so without this
+        the job alone paid for those merges (25-60 % more server CPU a row at 1,250
+        rows a block, docs/BENCHMARKS.md). Waited out, not forced: ``OPTIMIZE ...
+        FINAL`` on 18.16 failed here with ``Unknown log entry type: 0`` while merges
+        were running."""
         started = time.monotonic()
-        execute_everywhere(self.host, self.ports[:1], [
-            f"OPTIMIZE TABLE {self.database}.{name} FINAL" for name in self.table_names()])
         quiet = 0
-        while quiet < 2:  # twice in a row: a fetch can queue a merge as it lands
+        while quiet < 3:
             busy = sum(c.execute(
                 "SELECT (SELECT count() FROM system.merges WHERE database = %(db)s) + "
                 "(SELECT count() FROM system.replication_queue WHERE database = %(db)s)",
@@ -537,7 +533,7 @@ port = 0
         over the first batches, not the first rows (docs/BENCHMARKS.md, "1 KiB rows, the
         driver's progress poll, and the JVM's share of a warm batch"). Measured from
         that commit, the page cache dropped just before the measured rows are produced
-        (``drop_cache``), after the warm-up's parts are merged away (``settle``,
+        (``drop_cache``), once the warm-up's merges are done (``settle``,
         :meth:`settle_merges`); the job is stopped (SIGTERM) once every row is visible."""
         from bench.workload import drop_page_cache, produce
 
