@@ -85,10 +85,11 @@ CURVES: Final[dict[str, tuple[str, ...]]] = {
 """Each curve's points, as ``--points`` names them."""
 CONTENDERS: Final = ("job", "same", "large")
 VARIANT: Final = re.compile(r"(?:s[1-9][0-9]*(?:c[1-9][0-9]*)?|c[1-9][0-9]*)(?:e[1-9][0-9]*)?"
-                            r"|baseline")
+                            r"|baseline|unsettled")
 """A ``--variants`` name: ``cN`` (N insert lanes a task), ``sN`` (N Spark task slots),
 both (``s4c2``), any of these with ``eK`` (``executor_insert_concurrency`` K:
-``s4c8e8``), or ``baseline`` (the job of ``--baseline-root``)."""
+``s4c8e8``), ``baseline`` (the job of ``--baseline-root``), or ``unsettled`` (the job
+measured without waiting for its warm-up's merges, as ``--keep-warm-parts``)."""
 
 
 def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
@@ -96,8 +97,8 @@ def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
     two limits. Refuses a variant ``bench_e2e`` has no mode for."""
     bad = [v for v in variants if not VARIANT.fullmatch(v)]
     if bad:
-        raise CurveError(f"unknown variants {bad}: cN (insert lanes), sN (task slots) or "
-                         "baseline")
+        raise CurveError(f"unknown variants {bad}: cN (insert lanes), sN (task slots), "
+                         "baseline or unsettled")
     return ("job", *(f"job_{v}" for v in variants), "same", "large")
 
 
@@ -449,16 +450,17 @@ class Runner:
         with HistoryReader(self.bench.bootstrap, [group], [topic]) as reader:
             return [e.metadata for e in reader.events() if isinstance(e, Commit)]
 
-    def job(self, mode: str = "exactly_once") -> dict[str, Any]:
+    def job(self, mode: str = "exactly_once", settle: bool | None = None) -> dict[str, Any]:
         from bench.bench_e2e import task_slots
 
         b = self.bench
         cores = self.args.cores
         warm_rows = getattr(self.args, "warm_rows", 0)
+        if settle is None:
+            settle = not getattr(self.args, "keep_warm_parts", False)
         r = (b.warm_run(mode, cores, self.args.block_rows, warm_rows,
                         not getattr(self.args, "keep_page_cache", True),
-                        getattr(self.args, "warm_batches", 1),
-                        not getattr(self.args, "keep_warm_parts", False)) if warm_rows
+                        getattr(self.args, "warm_batches", 1), settle) if warm_rows
              else b.one_run(mode, cores, self.args.block_rows))
         tag = f"{mode}-{cores}-{self.args.block_rows}-{b.generation}"
         log = b.folder / f"{tag}.log"
@@ -549,6 +551,7 @@ class Runner:
             started = time.monotonic()
             figures = (self.job() if contender == "job" else
                        self.job("baseline") if contender == "job_baseline" else
+                       self.job(settle=False) if contender == "job_unsettled" else
                        self.job(f"exactly_once_{contender[len('job_'):]}")
                        if contender.startswith("job_") else
                        self.same(repeat) if contender == "same" else self.large(repeat))

@@ -318,28 +318,34 @@ class Bench:
                 zk_path=f"/clickhouse/tables/{{shard}}/{self.database}/g{g}/dead_letters")])
 
     def settle_merges(self, timeout: float = 300.0) -> float:
-        """Wait until no replica merges or has a replication task queued in the run's
-        database, three looks in a row half a second apart; returns the seconds waited.
+        """Wait until the servers are done with a warm-up's parts: on every replica no
+        merge running, no replication task queued and the count of active parts
+        unchanged, four looks in a row half a second apart; returns the seconds waited.
 
         Why: a warm run's measured batch goes into the tables its warm-up filled (3M
         rows at 100 tables and 8 partitions are 2,400 parts on each replica), and right
         after a warm-up the servers are still merging those parts and fetching the
-        merged ones. The same-blocks limit inserts into fresh tables, so without this
-        the job alone paid for those merges (25-60 % more server CPU a row at 1,250
-        rows a block, docs/BENCHMARKS.md). Waited out, not forced: ``OPTIMIZE ...
-        FINAL`` on 18.16 failed here with ``Unknown log entry type: 0`` while merges
-        were running."""
+        merged ones. The same-blocks limit inserts into fresh tables on quiet servers,
+        so without this the job alone paid for that work (docs/BENCHMARKS.md, *The
+        warm-up's merges*). A small merge takes milliseconds, so a look at
+        ``system.merges`` alone misses most of them; the part count does not. Waited
+        out, not forced: ``OPTIMIZE ... FINAL`` on 18.16 failed here with ``Unknown log
+        entry type: 0`` while merges were running."""
         started = time.monotonic()
-        quiet = 0
-        while quiet < 3:
-            busy = sum(c.execute(
+        quiet, last = 0, None
+        while quiet < 4:
+            looks = [c.execute(
                 "SELECT (SELECT count() FROM system.merges WHERE database = %(db)s) + "
-                "(SELECT count() FROM system.replication_queue WHERE database = %(db)s)",
-                {"db": self.database})[0][0] for c in self.clients)
-            quiet = 0 if busy else quiet + 1
+                "(SELECT count() FROM system.replication_queue WHERE database = %(db)s), "
+                "(SELECT count() FROM system.parts WHERE database = %(db)s AND active)",
+                {"db": self.database})[0] for c in self.clients]
+            busy = sum(int(b) for b, _ in looks)
+            parts = [int(n) for _, n in looks]
+            quiet = quiet + 1 if not busy and parts == last else 0
+            last = parts
             if time.monotonic() - started > timeout:
                 raise RuntimeError(f"the warm-up's parts still merging after {timeout:g}s "
-                                   f"({busy} merges and replication tasks)")
+                                   f"({busy} merges and replication tasks, parts {parts})")
             time.sleep(0.5)
         return time.monotonic() - started
 

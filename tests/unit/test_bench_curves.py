@@ -6,6 +6,7 @@ No stack: the runs themselves are measured by hand (docs/BENCHMARKS.md)."""
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -258,7 +259,8 @@ def test_variants_run_between_the_job_and_the_limits() -> None:
     assert contenders(["s4c2"]) == ("job", "job_s4c2", "same", "large")
     assert contenders(["baseline"]) == ("job", "job_baseline", "same", "large")
     assert contenders(["s4c8e8"]) == ("job", "job_s4c8e8", "same", "large")
-    for bad in ("c0", "x8", "c", "s4 ", "8", "base", "c2s4", "s4c0", "e8", "s4e0"):
+    assert contenders(["unsettled"]) == ("job", "job_unsettled", "same", "large")
+    for bad in ("c0", "x8", "c", "s4 ", "8", "base", "c2s4", "s4c0", "e8", "s4e0", "settled"):
         with pytest.raises(CurveError, match="unknown variants"):
             contenders([bad])
 
@@ -313,3 +315,48 @@ def test_a_variant_sets_slots_lanes_and_the_executors_shared_bound() -> None:
     assert (variant("exactly_once_s4c8e8"), shared_lanes("exactly_once_s4c8e8")) == ((4, 8), 8)
     assert (variant("exactly_once_s4c2"), shared_lanes("exactly_once_s4c2")) == ((4, 2), None)
     assert (task_slots("exactly_once_c4e8", 2), shared_lanes("exactly_once_c4e8")) == (2, 8)
+
+
+class _Replica:
+    """A replica answering ``settle_merges``'s look with the next scripted
+    (merges and queued tasks, active parts)."""
+
+    def __init__(self, looks: list[tuple[int, int]]) -> None:
+        self.looks = looks
+
+    def execute(self, query: str, params: object) -> list[tuple[int, int]]:
+        return [self.looks.pop(0) if len(self.looks) > 1 else self.looks[0]]
+
+
+def test_the_warm_up_is_settled_once_nothing_merges_and_the_parts_stop_changing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No merge in sight is not enough (a small merge takes milliseconds): the part
+    count must also hold still for four looks in a row on every replica."""
+    import types
+
+    import bench.bench_e2e as e2e
+
+    looks_made: list[float] = []
+    monkeypatch.setattr(time, "sleep", lambda s: looks_made.append(s))
+    first = _Replica([(2, 2400), (0, 900), (0, 300), (0, 40), (0, 40), (0, 40), (0, 40),
+                      (0, 40)])
+    second = _Replica([(0, 2400), (0, 2400), (1, 500), (0, 40)])
+    bench = types.SimpleNamespace(clients=[first, second], database="db")
+    e2e.Bench.settle_merges(bench)  # type: ignore[arg-type]
+    # parts 40 on both first at look 4; that look is "changed", the next four hold still
+    assert len(looks_made) == 8
+
+
+def test_servers_that_keep_merging_fail_the_run_naming_what_they_do(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import bench.bench_e2e as e2e
+
+    clock = iter(range(0, 1000, 100))
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    monkeypatch.setattr(time, "monotonic", lambda: float(next(clock)))
+    bench = types.SimpleNamespace(clients=[_Replica([(3, 70)])], database="db")
+    with pytest.raises(RuntimeError, match=r"still merging after 300s \(3 merges and "
+                                           r"replication tasks, parts \[70\]\)"):
+        e2e.Bench.settle_merges(bench)  # type: ignore[arg-type]
