@@ -23,10 +23,9 @@ a machine whose load drifts), each on fresh tables:
   works off N rows of its own, then gets the point's rows in one Kafka transaction, which
   it reads whole as one catch-up batch (``bench_e2e.Bench.warm_run``): a streaming job's
   JVM has compiled its code and its Python workers are up, which a fresh job's first
-  batch pays for (C1/C2 compiler threads, worker start-up: docs/BENCHMARKS.md). The
-  measured rows come once the servers have done merging the warm-up's parts
-  (``Bench.settle_merges``; ``--keep-warm-parts`` skips the wait), so the job's
-  inserts and the limit's meet servers merging only their own parts;
+  batch pays for (C1/C2 compiler threads, worker start-up: docs/BENCHMARKS.md);
+  ``--settle-warm-up`` (or the variant ``settled``) first waits until the servers are
+  done merging the warm-up's parts (``Bench.settle_merges``);
 * with ``--variants c8,s4``, also ``job_c8``, ``job_s4``: the job with
   ``clickhouse.insert_concurrency = 8`` or 4 Spark task slots on the same cores
   (``bench_e2e``'s ``exactly_once_cN`` and ``exactly_once_sN`` modes; ``s4c2`` both),
@@ -85,11 +84,11 @@ CURVES: Final[dict[str, tuple[str, ...]]] = {
 """Each curve's points, as ``--points`` names them."""
 CONTENDERS: Final = ("job", "same", "large")
 VARIANT: Final = re.compile(r"(?:s[1-9][0-9]*(?:c[1-9][0-9]*)?|c[1-9][0-9]*)(?:e[1-9][0-9]*)?"
-                            r"|baseline|unsettled")
+                            r"|baseline|settled")
 """A ``--variants`` name: ``cN`` (N insert lanes a task), ``sN`` (N Spark task slots),
 both (``s4c2``), any of these with ``eK`` (``executor_insert_concurrency`` K:
-``s4c8e8``), ``baseline`` (the job of ``--baseline-root``), or ``unsettled`` (the job
-measured without waiting for its warm-up's merges, as ``--keep-warm-parts``)."""
+``s4c8e8``), ``baseline`` (the job of ``--baseline-root``), or ``settled`` (the job
+measured once its warm-up's merges are done, as ``--settle-warm-up``)."""
 
 
 def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
@@ -98,7 +97,7 @@ def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
     bad = [v for v in variants if not VARIANT.fullmatch(v)]
     if bad:
         raise CurveError(f"unknown variants {bad}: cN (insert lanes), sN (task slots), "
-                         "baseline or unsettled")
+                         "baseline or settled")
     return ("job", *(f"job_{v}" for v in variants), "same", "large")
 
 
@@ -457,7 +456,7 @@ class Runner:
         cores = self.args.cores
         warm_rows = getattr(self.args, "warm_rows", 0)
         if settle is None:
-            settle = not getattr(self.args, "keep_warm_parts", False)
+            settle = getattr(self.args, "settle_warm_up", False)
         r = (b.warm_run(mode, cores, self.args.block_rows, warm_rows,
                         not getattr(self.args, "keep_page_cache", True),
                         getattr(self.args, "warm_batches", 1), settle) if warm_rows
@@ -551,7 +550,7 @@ class Runner:
             started = time.monotonic()
             figures = (self.job() if contender == "job" else
                        self.job("baseline") if contender == "job_baseline" else
-                       self.job(settle=False) if contender == "job_unsettled" else
+                       self.job(settle=True) if contender == "job_settled" else
                        self.job(f"exactly_once_{contender[len('job_'):]}")
                        if contender.startswith("job_") else
                        self.same(repeat) if contender == "same" else self.large(repeat))
@@ -669,10 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-page-cache", action="store_true",
                     help="do not drop the kernel's page cache before each run (by default "
                     "every run starts from a dropped cache: bench.workload.drop_page_cache)")
-    ap.add_argument("--keep-warm-parts", action="store_true",
-                    help="with --warm-rows: measure the job while the servers still merge "
-                         "its warm-up's parts (before 2026-11-29; by default the run waits "
-                         "for those merges: bench_e2e.Bench.settle_merges)")
+    ap.add_argument("--settle-warm-up", action="store_true",
+                    help="with --warm-rows: produce the measured rows once the servers are "
+                         "done merging the warm-up's parts (bench_e2e.Bench.settle_merges)")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--block-rows", type=int, default=100_000, help="the job's blocks.max_rows")
     ap.add_argument("--large-block-rows", type=int, default=100_000)

@@ -322,15 +322,13 @@ class Bench:
         merge running, no replication task queued and the count of active parts
         unchanged, four looks in a row half a second apart; returns the seconds waited.
 
-        Why: a warm run's measured batch goes into the tables its warm-up filled (3M
-        rows at 100 tables and 8 partitions are 2,400 parts on each replica), and right
-        after a warm-up the servers are still merging those parts and fetching the
-        merged ones. The same-blocks limit inserts into fresh tables on quiet servers,
-        so without this the job alone paid for that work (docs/BENCHMARKS.md, *The
-        warm-up's merges*). A small merge takes milliseconds, so a look at
-        ``system.merges`` alone misses most of them; the part count does not. Waited
-        out, not forced: ``OPTIMIZE ... FINAL`` on 18.16 failed here with ``Unknown log
-        entry type: 0`` while merges were running."""
+        For ``--settle-warm-up`` (``bench_curves``): whether the job's measured batch
+        pays for merges its warm-up left running. It does not (docs/BENCHMARKS.md,
+        *The warm-up's merges*: at 1,250 rows a block the servers were quiet 2.6 s after
+        the warm-up, and the settled job ran 0.89x the unsettled). A small merge is
+        over within milliseconds, so a look at ``system.merges`` alone misses most of
+        them; the part count does not. Waited out, not forced: ``OPTIMIZE ... FINAL``
+        on 18.16 failed here with ``Unknown log entry type: 0`` while merges ran."""
         started = time.monotonic()
         quiet, last = 0, None
         while quiet < 4:
@@ -526,7 +524,7 @@ port = 0
 
     def warm_run(self, mode: str, cores: int, block_rows: int, warm_rows: int,
                  drop_cache: bool = True, warm_batches: int = 1,
-                 settle: bool = True) -> RunResult:
+                 settle: bool = False) -> RunResult:
         """:meth:`one_run`'s measurement on a job that has already run a batch: the
         job's JVM compiled, its Python workers started, its connections open, as a
         job streaming for a while has them. Each run gets a topic of its own: first
@@ -539,8 +537,8 @@ port = 0
         over the first batches, not the first rows (docs/BENCHMARKS.md, "1 KiB rows, the
         driver's progress poll, and the JVM's share of a warm batch"). Measured from
         that commit, the page cache dropped just before the measured rows are produced
-        (``drop_cache``), once the warm-up's merges are done (``settle``,
-        :meth:`settle_merges`); the job is stopped (SIGTERM) once every row is visible."""
+        (``drop_cache``), with ``settle`` once the warm-up's merges are done
+        (:meth:`settle_merges`); the job is stopped (SIGTERM) once every row is visible."""
         from bench.workload import drop_page_cache, produce
 
         self.fresh_tables()

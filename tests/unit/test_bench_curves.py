@@ -259,8 +259,8 @@ def test_variants_run_between_the_job_and_the_limits() -> None:
     assert contenders(["s4c2"]) == ("job", "job_s4c2", "same", "large")
     assert contenders(["baseline"]) == ("job", "job_baseline", "same", "large")
     assert contenders(["s4c8e8"]) == ("job", "job_s4c8e8", "same", "large")
-    assert contenders(["unsettled"]) == ("job", "job_unsettled", "same", "large")
-    for bad in ("c0", "x8", "c", "s4 ", "8", "base", "c2s4", "s4c0", "e8", "s4e0", "settled"):
+    assert contenders(["settled"]) == ("job", "job_settled", "same", "large")
+    for bad in ("c0", "x8", "c", "s4 ", "8", "base", "c2s4", "s4c0", "e8", "s4e0", "unsettled"):
         with pytest.raises(CurveError, match="unknown variants"):
             contenders([bad])
 
