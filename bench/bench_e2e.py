@@ -323,8 +323,8 @@ class Bench:
         unchanged, four looks in a row half a second apart; returns the seconds waited.
 
         For ``--settle-warm-up`` (``bench_curves``): whether the job's measured batch
-        pays for merges its warm-up left running. It does not (docs/BENCHMARKS.md,
-        *The warm-up's merges*: at 1,250 rows a block the servers were quiet 2.6 s after
+        pays for merges its warm-up left running. It does not (docs/BENCHMARKS.md, *Item
+        1's three sizes again*: at 1,250 rows a block the servers were quiet 2.6 s after
         the warm-up, and the settled job ran 0.89x the unsettled). A small merge is
         over within milliseconds, so a look at ``system.merges`` alone misses most of
         them; the part count does not. Waited out, not forced: ``OPTIMIZE ... FINAL``

@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from google.protobuf.message import DecodeError
 
 from blockagg import logs
+from blockagg.aggregator.kafka.errors import describe
 from blockagg.proto.blockagg.v1.envelope_pb2 import Envelope
 from blockagg.proto.envelope import is_table_name
 from blockagg.rows.columns import COORDINATE_COLUMNS
@@ -34,7 +35,7 @@ change it."""
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, KafkaException) and exc.args and isinstance(exc.args[0], KafkaError):
         return str(exc.args[0].str())
-    return str(exc)
+    return describe(exc)
 
 
 _TABLE_NAMES: dict[str, bool] = {}

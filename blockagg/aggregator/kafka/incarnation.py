@@ -73,7 +73,8 @@ class TopicIncarnations:
     def _why(self, exc: BaseException) -> str:
         if unanswered(exc):
             return (f"no broker answered within {self.timeout_s:g}s ({describe(exc)}): a "
-                    "broker cut off or failing over; the batch's next attempt asks again")
+                    "broker cut off or failing over, or the cluster out of reach; asked "
+                    "again at the next read")
         return describe(exc)
 
     def of(self, topic: str) -> int:

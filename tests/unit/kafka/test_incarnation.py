@@ -62,3 +62,12 @@ def test_librdkafkas_own_timeout_reads_the_same() -> None:
     with pytest.raises(IncarnationError, match=r"of events: no broker answered within 30s "
                                                r"\(KafkaError.*Timed out.*\): a broker cut"):
         _reader(timed_out).topic_id("events")
+
+
+def test_the_audits_reason_for_a_timed_out_future_is_not_blank() -> None:
+    """``arv audit`` words its Kafka failures with the same rule (a future's timeout
+    has no text of its own)."""
+    from blockagg.verifier.audit_sources import _reason
+
+    assert _reason(TimeoutError()) == "TimeoutError"
+    assert _reason(RuntimeError("no such group")) == "no such group"
