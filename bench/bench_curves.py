@@ -91,14 +91,17 @@ both (``s4c2``), any of these with ``eK`` (``executor_insert_concurrency`` K:
 measured once its warm-up's merges are done, as ``--settle-warm-up``)."""
 
 
-def contenders(variants: Sequence[str] = ()) -> tuple[str, ...]:
+def contenders(variants: Sequence[str] = (), same_warm: bool = False) -> tuple[str, ...]:
     """The point's contenders in ABBA order: the job, its variants (``job_c8``), then the
-    two limits. Refuses a variant ``bench_e2e`` has no mode for."""
+    limits: the same blocks, with ``same_warm`` the same blocks into tables first filled
+    as the warm job's are (``same_warm``), and large blocks. Refuses a variant
+    ``bench_e2e`` has no mode for."""
     bad = [v for v in variants if not VARIANT.fullmatch(v)]
     if bad:
         raise CurveError(f"unknown variants {bad}: cN (insert lanes), sN (task slots), "
                          "baseline or settled")
-    return ("job", *(f"job_{v}" for v in variants), "same", "large")
+    return ("job", *(f"job_{v}" for v in variants), "same",
+            *(("same_warm",) if same_warm else ()), "large")
 
 
 PENDING_QUORUM_LINE: Final = "Quorum for previous write has not been satisfied yet"
@@ -325,8 +328,19 @@ class PointResult:
                                servers_cores_used=self.median_of("job", "servers_cores_used"),
                                machine_cores=self.machine_cores,
                                python_share=self.median_of("job", "python_share")),
-            **more,
+            **more, **self.warm_limit(job),
         }
+
+    def warm_limit(self, job: float) -> dict[str, float]:
+        """With ``same_warm`` runs: that limit's median, and the job against it."""
+        rates = self.of("same_warm", "rows_per_s")
+        if not rates:
+            return {}
+        same_warm = median(rates)
+        return {"same_warm_rows_per_s": same_warm,
+                "job_over_same_warm": job / same_warm if same_warm else 0.0,
+                "same_warm_server_cpu_s_per_mrows":
+                    median(self.of("same_warm", "server_cpu_s_per_mrows"))}
 
     def line(self) -> str:
         s = self.summary()
@@ -344,7 +358,10 @@ class PointResult:
                 f"{s['parts_per_table_max']:.0f}); {s['verdict']}" + "".join(
                     f"; {v} {s[f'{v}_rows_per_s']:,.0f} rows/s = {s[f'{v}_over_job']:.2f}x "
                     f"the job ({s[f'{v}_batch_over_job']:.2f}x over the batches), "
-                    f"{s[f'{v}_over_same']:.2f}x same" for v in self.variants()))
+                    f"{s[f'{v}_over_same']:.2f}x same" for v in self.variants())
+                + (f"; same blocks into warm tables {s['same_warm_rows_per_s']:,.0f} rows/s, "
+                   f"job/same_warm {s['job_over_same_warm']:.2f}"
+                   if "same_warm_rows_per_s" in s else ""))
 
 
 def dump(results: Sequence[PointResult], header: dict[str, Any]) -> str:
@@ -491,6 +508,7 @@ class Runner:
             "python_share": python_share(text, slots),
             "quorum_waits": quorum_waits(text),
             **({"settle_s": r.settle_s} if r.settle_s is not None else {}),
+            **({"servers": r.servers} if r.servers is not None else {}),
             "inserts_per_batch": median(blocks),
             "rows_per_block": sum(rows) / sum(blocks) if blocks else 0.0,
             **metadata,
@@ -505,19 +523,26 @@ class Runner:
                if r.jvm_threads_cpu else {}),
         }
 
-    def same(self, repeat: int) -> dict[str, Any]:
+    def same(self, repeat: int, warm: bool = False) -> dict[str, Any]:
+        """The same-blocks limit: the job's blocks inserted alone. ``warm``: into tables
+        first filled with the blocks of the job's warm-up batches (``--warm-rows`` in
+        ``--warm-batches``), as the warm job's are; otherwise into fresh tables."""
         from bench.bench_limits import raw_insert_job_blocks
 
         b = self.bench
+        generation = (200 if warm else 100) + repeat
+        warm_rows = (b.warm_batches(self.args.warm_rows, self.args.warm_batches) if warm
+                     else [])
         r = raw_insert_job_blocks(b.rows, b.host, b.ports, b.database, self.args.block_rows,
                                   self.args.same_blocks_lanes, self.args.quorum, b.servers,
-                                  100 + repeat)
-        mean, most = self.parts(f"j{100 + repeat}\\_%")
-        self.drop(f"j{100 + repeat}\\_%")
+                                  generation, warm_rows, b.clients)
+        mean, most = self.parts(f"j{generation}\\_%")
+        self.drop(f"j{generation}\\_%")
         return {"rows_per_s": r.rows_per_s, "seconds": r.seconds,
                 "client_cpu_s": r.client_cpu_s, "server_cpu_s_per_mrows":
                 r.server_cpu_s / r.rows * 1e6, "parts_per_table_mean": mean,
-                "parts_per_table_max": most, "note": r.note}
+                "parts_per_table_max": most, "note": r.note,
+                **({"servers": r.servers} if r.servers is not None else {})}
 
     def large(self, repeat: int) -> dict[str, Any]:
         from bench.bench_limits import raw_insert
@@ -542,8 +567,9 @@ class Runner:
         b = self.bench
         result = PointResult(self.point, b.rows.rows, b.rows.encoded_row_bytes, self.args.cores,
                              machine_cores=os.cpu_count() or 0)
-        for repeat, contender in abba(contenders(getattr(self.args, "variants", ())),
-                                      self.args.repeat):
+        plan = contenders(getattr(self.args, "variants", ()),
+                          getattr(self.args, "same_into_warm", False))
+        for repeat, contender in abba(plan, self.args.repeat):
             if not getattr(self.args, "keep_page_cache", True) and not drop_page_cache():
                 print("  cannot drop the page cache (not root?): the servers' drift stays "
                       "in the comparison", file=sys.stderr, flush=True)
@@ -553,7 +579,9 @@ class Runner:
                        self.job(settle=True) if contender == "job_settled" else
                        self.job(f"exactly_once_{contender[len('job_'):]}")
                        if contender.startswith("job_") else
-                       self.same(repeat) if contender == "same" else self.large(repeat))
+                       self.same(repeat) if contender == "same" else
+                       self.same(repeat, warm=True) if contender == "same_warm" else
+                       self.large(repeat))
             figures.update(contender=contender, repeat=repeat,
                            wall_s=round(time.monotonic() - started, 1))
             result.runs.append(figures)
@@ -671,6 +699,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle-warm-up", action="store_true",
                     help="with --warm-rows: produce the measured rows once the servers are "
                          "done merging the warm-up's parts (bench_e2e.Bench.settle_merges)")
+    ap.add_argument("--same-into-warm", action="store_true",
+                    help="with --warm-rows: one more limit, the same blocks into tables "
+                         "first filled with the warm-up's blocks, as the warm job's are")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--block-rows", type=int, default=100_000, help="the job's blocks.max_rows")
     ap.add_argument("--large-block-rows", type=int, default=100_000)
@@ -695,6 +726,9 @@ def main(argv: list[str] | None = None) -> int:
         contenders(args.variants)
         if "baseline" in args.variants and not args.baseline_root:
             raise CurveError("the baseline variant needs --baseline-root DIR")
+        if args.same_into_warm and not args.warm_rows:
+            raise CurveError("--same-into-warm needs --warm-rows: it fills the tables as "
+                             "the warm job's warm-up does")
     except CurveError as exc:
         ap.error(str(exc))
     command = "python -m bench.bench_curves " + " ".join(

@@ -148,6 +148,10 @@ class RunResult:
     jvm: dict[str, Any] | None = None
     """With ``--jfr``, a warm run's JVM samples over its measured interval
     (:func:`bench.jvm_samples.summarize`)."""
+    servers: dict[str, dict[str, float]] | None = None
+    """A warm run's servers over ``server_cpu_s``'s interval, split by process and by
+    ``system.events`` (:meth:`bench.bench_limits.ServerSample.since`); the events include
+    the run's own polls of the row count, one ``SELECT`` every 0.25 s."""
     settle_s: float | None = None
     """A warm run's seconds waited for the warm-up's merges to end on every replica
     (:meth:`Bench.settle_merges`); ``None`` when not waited for."""
@@ -522,6 +526,13 @@ port = 0
         return Watched(n, first, done - first, sampler.total() - cpu_at_first,
                        servers_at_first)
 
+    def warm_batches(self, warm_rows: int, batches: int = 1) -> list[Rows]:
+        """The warm-up's rows of :meth:`warm_run`, in its ``batches`` batches."""
+        batches = max(1, batches)
+        return [Rows(warm_rows // batches, self.args.tables, self.args.rows_per_message,
+                     self.args.partitions, self.args.seed + 1000 + k, self.database)
+                for k in range(batches)]
+
     def warm_run(self, mode: str, cores: int, block_rows: int, warm_rows: int,
                  drop_cache: bool = True, warm_batches: int = 1,
                  settle: bool = False) -> RunResult:
@@ -545,10 +556,7 @@ port = 0
         tag = f"{mode}-{cores}-{block_rows}-{self.generation}"
         topic = f"{self.topic}-w{self.generation}"
         create_topic(self.bootstrap, topic, self.args.partitions)
-        batches = max(1, warm_batches)
-        warm = [Rows(warm_rows // batches, self.args.tables, self.args.rows_per_message,
-                     self.args.partitions, self.args.seed + 1000 + k, self.database)
-                for k in range(batches)]
+        warm = self.warm_batches(warm_rows, warm_batches)
         warm_total = sum(w.rows for w in warm)
         produce(self.bootstrap, topic, warm[0].envelopes())
         saved, self.topic = self.topic, topic
@@ -576,6 +584,7 @@ port = 0
             drop_page_cache()
         produce(self.bootstrap, topic, self.rows.envelopes(),
                 transactional_id=f"bench-{self.run_id}-{self.generation}")
+        before = self.servers.sample(self.clients)
         s0 = self.servers.cpu()
         t0 = time.perf_counter()
         epoch_from = time.time()
@@ -587,7 +596,8 @@ port = 0
         threads_at_done = sampler.jvm_threads()
         cpu_at_done = sum(kinds_at_done.values())
         epoch_to = time.time()
-        s1 = self.servers.cpu()
+        split = self.servers.sample(self.clients).since(before)
+        s1 = s0 + self.servers.summed(split)
         if proc.poll() is None:
             time.sleep(2)  # the measured batch's final commits
             os.kill(proc.pid, signal.SIGTERM)
@@ -614,7 +624,7 @@ port = 0
                          jvm_threads_cpu={k: v - threads_at_start.get(k, 0.0)
                                           for k, v in threads_at_done.items()
                                           if v - threads_at_start.get(k, 0.0) > 0},
-                         settle_s=settle_s)
+                         settle_s=settle_s, servers=split)
 
     def latency(self, block_rows: int, mode: str = "exactly_once") -> dict[str, float]:
         """Streaming: rows at a fixed rate plus probes; p50/p99 produce -> visible."""

@@ -40,7 +40,7 @@ import platform
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -75,6 +75,8 @@ class Result:
     server_cpu_s: float
     row_bytes: float
     note: str = ""
+    servers: dict[str, dict[str, float]] | None = None
+    """The servers' split of the interval (:meth:`ServerSample.since`), where measured."""
 
     @property
     def rows_per_s(self) -> float:
@@ -95,15 +97,50 @@ class Result:
                 f"{'  ' + self.note if self.note else ''}")
 
 
+@dataclass(frozen=True)
+class ServerSample:
+    """:meth:`Servers.sample` at one moment; two of them give an interval's split."""
+
+    cpu: dict[str, float]
+    events: dict[str, int]
+
+    def since(self, before: ServerSample) -> dict[str, dict[str, float]]:
+        """The interval from ``before``: CPU-s by process, and every event that moved."""
+        return {"cpu_s": {n: round(c - before.cpu.get(n, 0.0), 2) for n, c in self.cpu.items()},
+                "events": {n: v - before.events.get(n, 0) for n, v in sorted(self.events.items())
+                           if v != before.events.get(n, 0)}}
+
+
 class Servers:
     """CPU seconds of the stack's server processes (pids from the stack's pid files)."""
 
-    def __init__(self, names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], also: tuple[str, ...] = ("zookeeper",)) -> None:
+        """``names``: the processes :meth:`cpu` sums; ``also``: processes only
+        :meth:`sample` reports, so its split shows them without moving the figure that
+        earlier runs recorded."""
         self.control = StackControl({**os.environ, **stack_env()})
-        self.pids = {n: self.control.pid(n) for n in names}
+        self.names = names
+        self.pids = {n: self.control.pid(n) for n in (*names, *also)}
 
     def cpu(self) -> float:
-        return sum(proc_cpu_seconds(p) for p in self.pids.values() if p is not None)
+        by_name = self.cpu_by_name()
+        return sum(by_name.get(n, 0.0) for n in self.names)
+
+    def cpu_by_name(self) -> dict[str, float]:
+        return {n: proc_cpu_seconds(p) for n, p in self.pids.items() if p is not None}
+
+    def sample(self, clients: Sequence[Any] = ()) -> ServerSample:
+        """Each process's CPU and, from every replica of ``clients``, the counters of
+        ``system.events``: what a server did for the CPU it used."""
+        events: dict[str, int] = {}
+        for client in clients:
+            for name, value in client.execute("SELECT event, value FROM system.events"):
+                events[name] = events.get(name, 0) + int(value)
+        return ServerSample(self.cpu_by_name(), events)
+
+    def summed(self, split: dict[str, dict[str, float]]) -> float:
+        """:meth:`cpu`'s figure over an interval of :meth:`ServerSample.since`."""
+        return sum(split["cpu_s"].get(n, 0.0) for n in self.names)
 
     def restart_replicas(self) -> float:
         """Stop every ClickHouse replica (SIGTERM, then its ports free) and start them
@@ -295,6 +332,8 @@ class Inserted:
     client_cpu_s: float
     server_cpu_s: float
     quorum_waits: int
+    servers: dict[str, dict[str, float]] | None = None
+    """The interval's :meth:`ServerSample.since`, when the inserter was given replicas."""
 
 
 class LaneInserter:
@@ -305,12 +344,14 @@ class LaneInserter:
     stay connected, so only the inserts are timed)."""
 
     def __init__(self, pool: PoolColumns, host: str, ports: list[int], database: str,
-                 names: list[str], lanes: int, quorum: int, servers: Servers) -> None:
+                 names: list[str], lanes: int, quorum: int, servers: Servers,
+                 replicas: Sequence[Any] = ()) -> None:
         import threading
         from concurrent.futures import ThreadPoolExecutor
 
         self.pool, self.host, self.port = pool, host, ports[0]
         self.database, self.names, self.lanes, self.servers = database, names, lanes, servers
+        self.replicas = replicas
         self.columns = ", ".join([*COLUMN_NAMES, "_topic", "_partition", "_offset"])
         self.settings: dict[str, Any] = {"use_numpy": True, "insert_deduplicate": 1}
         if quorum:
@@ -346,22 +387,37 @@ class LaneInserter:
 
     def insert(self, blocks: list[JobBlock]) -> Inserted:
         """Every block of ``blocks``, timed from the first send to the last answer."""
-        c0, s0, t0 = self_cpu_seconds(), self.servers.cpu(), time.perf_counter()
+        before = self.servers.sample(self.replicas)
+        c0, t0 = self_cpu_seconds(), time.perf_counter()
         waits = sum(self.executor.map(self._insert, blocks))
-        t1, c1, s1 = time.perf_counter(), self_cpu_seconds(), self.servers.cpu()
+        t1, c1 = time.perf_counter(), self_cpu_seconds()
+        split = self.servers.sample(self.replicas).since(before)
         self.waits += waits
-        return Inserted(t1 - t0, c1 - c0, s1 - s0, waits)
+        return Inserted(t1 - t0, c1 - c0, self.servers.summed(split), waits,
+                        split if self.replicas else None)
 
 
 def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str,
                           max_rows: int, lanes: int, quorum: int, servers: Servers,
-                          generation: int) -> Result:
-    """The job's blocks into fresh tables of the job's shape, ``lanes`` at a time."""
+                          generation: int, warm: Sequence[Rows] = (),
+                          replicas: Sequence[Any] = ()) -> Result:
+    """The job's blocks into fresh tables of the job's shape, ``lanes`` at a time.
+
+    ``warm``: first, untimed, the blocks of each of these batches in turn, as a warm
+    job's warm-up batches (:meth:`bench.bench_e2e.Bench.warm_run`) fill its tables, so the
+    timed blocks land in tables holding the same parts as the job's. ``replicas``: clients
+    whose ``system.events`` split the servers' work (:class:`ServerSample`)."""
     names = [f"j{generation}_t{t:03d}" for t in range(rows.tables)]
     create_job_tables(host, ports, database, names)
+    for batch in warm:
+        with LaneInserter(PoolColumns(batch), host, ports, database, names, lanes, quorum,
+                          servers) as lanes_:
+            lanes_.insert(job_blocks(batch, max_rows))
+    if warm:
+        time.sleep(2)  # as the warm job waits for its warm-up's final commits
     blocks = job_blocks(rows, max_rows)
     with LaneInserter(PoolColumns(rows), host, ports, database, names, lanes, quorum,
-                      servers) as lanes_:
+                      servers, replicas) as lanes_:
         done = lanes_.insert(blocks)
     stored = int(ch_client(host, ports[0]).execute(
         f"SELECT sum(rows) FROM system.parts WHERE database = '{database}' AND active "
@@ -371,7 +427,9 @@ def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str
                   done.client_cpu_s, done.server_cpu_s, rows.encoded_row_bytes,
                   f"{len(blocks)} blocks of {sizes[0] * rows.rows_per_message:,}-"
                   f"{sizes[-1] * rows.rows_per_message:,} rows, {lanes} at a time, "
-                  f"quorum {quorum}, {stored:,} rows stored, {done.quorum_waits} quorum waits")
+                  f"quorum {quorum}, {stored:,} rows stored, {done.quorum_waits} quorum waits"
+                  + (f", after {sum(w.rows for w in warm):,} warm-up rows" if warm else ""),
+                  done.servers)
 
 
 def kafka_engine(rows: Rows, client: Any, bootstrap: str, topic: str, database: str,

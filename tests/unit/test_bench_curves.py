@@ -281,6 +281,33 @@ def test_a_variant_is_summarised_against_the_job_and_the_same_blocks_limit() -> 
     assert back[0].summary() == s
 
 
+def test_the_warm_tables_limit_runs_after_the_same_blocks_and_is_summarised() -> None:
+    assert contenders(["c8"], same_warm=True) == ("job", "job_c8", "same", "same_warm",
+                                                  "large")
+    result = PointResult(Point("tables", "100"), 1000, 67.5, 2)
+    rates = {"job": 60.0, "same": 100.0, "same_warm": 75.0, "large": 400.0}
+    for repeat, contender in abba(contenders(same_warm=True), 2):
+        result.runs.append({"contender": contender, "repeat": repeat,
+                            "rows_per_s": rates[contender], "cores_used": 0.5,
+                            "server_cpu_s_per_mrows": 12.0})
+    s = result.summary()
+    assert s["job_over_same"] == 0.6 and s["job_over_same_warm"] == 0.8
+    assert s["same_warm_server_cpu_s_per_mrows"] == 12.0
+    assert "same blocks into warm tables 75 rows/s, job/same_warm 0.80" in result.line()
+    assert "same_warm_rows_per_s" not in PointResult(Point("tables", "100"), 1000, 67.5,
+                                                     2).summary()
+
+
+def test_a_server_sample_splits_an_interval_by_process_and_event() -> None:
+    from bench.bench_limits import ServerSample
+
+    before = ServerSample({"clickhouse-r1": 10.0, "kafka": 5.0}, {"Query": 3, "Merge": 7})
+    after = ServerSample({"clickhouse-r1": 12.5, "kafka": 5.25},
+                         {"Query": 9, "Merge": 7, "InsertQuery": 4})
+    assert after.since(before) == {"cpu_s": {"clickhouse-r1": 2.5, "kafka": 0.25},
+                                   "events": {"InsertQuery": 4, "Query": 6}}
+
+
 def test_the_centre_point_is_on_every_curve_and_own_points_stay() -> None:
     centre = PointResult(Point("tables", "100"), 1000, 67.5, 2)
     own = PointResult(Point("tables", "33", tables=33), 1000, 67.5, 2)
