@@ -509,6 +509,9 @@ class Runner:
             "quorum_waits": quorum_waits(text),
             **({"settle_s": r.settle_s} if r.settle_s is not None else {}),
             **({"servers": r.servers} if r.servers is not None else {}),
+            **({"warm_gap_s": r.warm_gap_s} if r.warm_gap_s is not None else {}),
+            **({"warm_up_blocks": batch_figures(log.read_bytes()[:r.log_offset].decode(
+                errors="replace"))[0]} if warm_rows and log.exists() else {}),
             "inserts_per_batch": median(blocks),
             "rows_per_block": sum(rows) / sum(blocks) if blocks else 0.0,
             **metadata,
@@ -526,7 +529,8 @@ class Runner:
     def same(self, repeat: int, warm: bool = False) -> dict[str, Any]:
         """The same-blocks limit: the job's blocks inserted alone. ``warm``: into tables
         first filled with the blocks of the job's warm-up batches (``--warm-rows`` in
-        ``--warm-batches``), as the warm job's are; otherwise into fresh tables."""
+        ``--warm-batches``), as the warm job's are, after the last warm job's gap between
+        its warm-up and its measured rows; otherwise into fresh tables."""
         from bench.bench_limits import raw_insert_job_blocks
 
         b = self.bench
@@ -535,7 +539,8 @@ class Runner:
                      else [])
         r = raw_insert_job_blocks(b.rows, b.host, b.ports, b.database, self.args.block_rows,
                                   self.args.same_blocks_lanes, self.args.quorum, b.servers,
-                                  generation, warm_rows, b.clients)
+                                  generation, warm_rows, b.clients,
+                                  b.warm_gap_s if b.warm_gap_s is not None else 2.0)
         mean, most = self.parts(f"j{generation}\\_%")
         self.drop(f"j{generation}\\_%")
         return {"rows_per_s": r.rows_per_s, "seconds": r.seconds,

@@ -400,12 +400,14 @@ class LaneInserter:
 def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str,
                           max_rows: int, lanes: int, quorum: int, servers: Servers,
                           generation: int, warm: Sequence[Rows] = (),
-                          replicas: Sequence[Any] = ()) -> Result:
+                          replicas: Sequence[Any] = (), warm_gap_s: float = 2.0) -> Result:
     """The job's blocks into fresh tables of the job's shape, ``lanes`` at a time.
 
     ``warm``: first, untimed, the blocks of each of these batches in turn, as a warm
     job's warm-up batches (:meth:`bench.bench_e2e.Bench.warm_run`) fill its tables, so the
-    timed blocks land in tables holding the same parts as the job's. ``replicas``: clients
+    timed blocks land in tables holding the same parts as the job's, ``warm_gap_s`` after
+    the last warm-up block (the warm job's gap: its final commits, then producing the
+    measured rows, while the servers merge the warm-up's parts). ``replicas``: clients
     whose ``system.events`` split the servers' work (:class:`ServerSample`)."""
     names = [f"j{generation}_t{t:03d}" for t in range(rows.tables)]
     create_job_tables(host, ports, database, names)
@@ -414,7 +416,7 @@ def raw_insert_job_blocks(rows: Rows, host: str, ports: list[int], database: str
                           servers) as lanes_:
             lanes_.insert(job_blocks(batch, max_rows))
     if warm:
-        time.sleep(2)  # as the warm job waits for its warm-up's final commits
+        time.sleep(warm_gap_s)
     blocks = job_blocks(rows, max_rows)
     with LaneInserter(PoolColumns(rows), host, ports, database, names, lanes, quorum,
                       servers, replicas) as lanes_:
