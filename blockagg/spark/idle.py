@@ -61,15 +61,15 @@ def check_idle_interval(interval_s: float, retention_minutes: int) -> None:
 
 
 def broker_retention_minutes(admin: Any, timeout: float = 10.0) -> int | None:
-    """``offsets.retention.minutes`` of one broker (they must agree), or ``None`` when
-    the cluster does not say (no DescribeConfigs permission)."""
-    from confluent_kafka.admin import ConfigResource  # type: ignore[attr-defined]
+    """``offsets.retention.minutes`` of the first broker that answers (they must agree),
+    or ``None`` when the cluster does not say (no DescribeConfigs permission, or no
+    broker answered)."""
+    from blockagg.aggregator.kafka.broker_config import read_broker_config
 
     try:
         brokers = admin.list_topics(timeout=timeout).brokers
-        resource = ConfigResource(ConfigResource.Type.BROKER, str(min(brokers)))
-        configs = admin.describe_configs([resource])[resource].result(timeout=timeout)
-        return int(configs[RETENTION_KEY].value)
+        _, settings = read_broker_config(admin, brokers, timeout)
+        return int(settings[RETENTION_KEY])
     except Exception:
         return None
 

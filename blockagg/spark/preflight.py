@@ -253,16 +253,18 @@ UNBOUNDED_SPAN = 2**31
 
 
 def broker_metadata_max_bytes(config: Config, timeout: float = DEFAULT_TIMEOUT) -> int | None:
-    """The brokers' ``offset.metadata.max.bytes`` (one broker's: they must agree), or
-    ``None`` when the cluster does not say (no DescribeConfigs permission)."""
-    from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
+    """The brokers' ``offset.metadata.max.bytes`` (the first answering broker's: they
+    must agree), or ``None`` when the cluster does not say (no DescribeConfigs
+    permission, or no broker answered)."""
+    from confluent_kafka.admin import AdminClient
+
+    from blockagg.aggregator.kafka.broker_config import read_broker_config
 
     admin = AdminClient(logs.kafka_client_config(config.kafka.librdkafka_config()))
     try:
         brokers = admin.list_topics(timeout=timeout).brokers
-        resource = ConfigResource(ConfigResource.Type.BROKER, str(min(brokers)))
-        configs = admin.describe_configs([resource], request_timeout=timeout)[resource]
-        return int(configs.result(timeout=timeout)["offset.metadata.max.bytes"].value)
+        _, settings = read_broker_config(admin, brokers, timeout)
+        return int(settings["offset.metadata.max.bytes"])
     except Exception:
         return None
 

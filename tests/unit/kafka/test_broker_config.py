@@ -1,0 +1,141 @@
+"""A broker's settings come from the first broker that answers, lowest id first: one
+broker cut off (a ``broker_cut`` fault on the lowest id) no longer refuses the start's
+durability check nor hides ``offset.metadata.max.bytes`` and
+``offsets.retention.minutes`` from it, and a refusal still ends the search at once."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import ConfigResource  # type: ignore[attr-defined]
+
+from blockagg.aggregator.kafka import durability
+from blockagg.aggregator.kafka.broker_config import read_broker_config
+from blockagg.spark import idle
+
+SETTINGS = {"offset.metadata.max.bytes": "4096", "offsets.retention.minutes": "10080",
+            "min.insync.replicas": "2", "unclean.leader.election.enable": "false",
+            "offsets.topic.replication.factor": "3",
+            "transaction.state.log.replication.factor": "3",
+            "transaction.state.log.min.isr": "2", "default.replication.factor": "3"}
+TIMED_OUT = KafkaException(KafkaError(KafkaError._TIMED_OUT, "Timed out"))
+REFUSED = KafkaException(KafkaError(KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+                                    "Cluster authorization failed"))
+
+
+def _done(value: Any = None, error: BaseException | None = None) -> Future[Any]:
+    future: Future[Any] = Future()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+    return future
+
+
+@dataclass
+class _Entry:
+    value: str
+
+
+class _Cluster:
+    """An AdminClient of three brokers; ``fail[id]`` is what asking broker ``id`` for its
+    settings ends with (an answer when absent). Topic settings come from any broker."""
+
+    def __init__(self, fail: dict[int, BaseException]) -> None:
+        self.fail = fail
+        self.asked: list[int] = []
+
+    def describe_cluster(self, request_timeout: float) -> Future[Any]:
+        return _done(SimpleNamespace(nodes=[SimpleNamespace(id=i) for i in (3, 1, 2)]))
+
+    def list_topics(self, timeout: float) -> Any:
+        partitions = {p: SimpleNamespace(replicas=[1, 2, 3]) for p in range(3)}
+        topic = SimpleNamespace(error=None, partitions=partitions)
+        return SimpleNamespace(brokers={1: None, 2: None, 3: None},
+                               topics={"orders": topic, "__consumer_offsets": topic,
+                                       "__transaction_state": topic})
+
+    def describe_configs(self, resources: list[Any], request_timeout: float
+                         ) -> dict[Any, Future[Any]]:
+        brokers = [r for r in resources if r.restype == ConfigResource.Type.BROKER]
+        assert len(brokers) <= 1 and (not brokers or len(resources) == 1), (
+            "librdkafka sends a request naming a broker to that broker alone")
+        out: dict[Any, Future[Any]] = {}
+        for r in resources:
+            if r.restype == ConfigResource.Type.BROKER:
+                self.asked.append(int(r.name))
+                error = self.fail.get(int(r.name))
+                out[r] = (_done(error=error) if error is not None else
+                          _done({k: _Entry(v) for k, v in SETTINGS.items()}))
+            else:
+                out[r] = _done({k: _Entry(v) for k, v in SETTINGS.items()})
+        return out
+
+
+@pytest.mark.parametrize("silence", [TimeoutError(), TIMED_OUT])
+def test_a_silent_lowest_broker_is_passed_over_for_the_next(silence: BaseException) -> None:
+    admin = _Cluster({1: silence})
+    broker, settings = read_broker_config(admin, [3, 1, 2], 6.0)
+    assert (broker, settings["offset.metadata.max.bytes"]) == (2, "4096")
+    assert admin.asked == [1, 2]
+
+
+def test_the_first_answer_ends_the_search() -> None:
+    admin = _Cluster({})
+    assert read_broker_config(admin, [2, 3, 1], 6.0)[0] == 1
+    assert admin.asked == [1]
+
+
+def test_a_refusal_ends_the_search_at_once() -> None:
+    admin = _Cluster({1: REFUSED})
+    with pytest.raises(KafkaException, match="Cluster authorization failed"):
+        read_broker_config(admin, [1, 2, 3], 6.0)
+    assert admin.asked == [1]
+
+
+def test_no_broker_answering_raises_the_last_silence() -> None:
+    admin = _Cluster({1: TIMED_OUT, 2: TIMED_OUT, 3: TimeoutError()})
+    with pytest.raises(TimeoutError):
+        read_broker_config(admin, [1, 2, 3], 6.0)
+    assert admin.asked == [1, 2, 3]
+    with pytest.raises(ValueError, match="no broker"):
+        read_broker_config(admin, [], 6.0)
+
+
+def test_the_durability_check_reads_through_a_cut_lowest_broker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: one request held the lowest broker's resource with the topics', so all of
+    it went to broker 1, and a start during its cut was refused after 6 s."""
+    from confluent_kafka import admin as kafka_admin
+
+    cluster = _Cluster({1: TIMED_OUT})
+    monkeypatch.setattr(kafka_admin, "AdminClient", lambda config: cluster)
+    brokers, topics = durability.read({"bootstrap.servers": "k1:9092"}, ["orders"], {}, 6.0)
+    assert brokers == 3 and cluster.asked == [1, 2]
+    assert durability.assess(brokers, topics).findings == ()
+
+
+def test_the_retention_check_reads_through_a_cut_lowest_broker() -> None:
+    assert idle.broker_retention_minutes(_Cluster({1: TimeoutError()}), 6.0) == 10080
+    assert idle.broker_retention_minutes(_Cluster({1: REFUSED}), 6.0) is None
+
+
+def test_the_metadata_budget_reads_through_a_cut_lowest_broker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from confluent_kafka import admin as kafka_admin
+
+    from blockagg.config import loads
+    from blockagg.spark import preflight
+
+    config = loads('[job]\ncheckpoint_location = "/tmp/ck"\n[kafka]\n'
+                   '"bootstrap.servers" = "x:1"\n[[topics]]\nname = "orders"\n'
+                   'replicas = ["ch:9000"]\n')
+    monkeypatch.setattr(kafka_admin, "AdminClient", lambda c: _Cluster({1: TIMED_OUT}))
+    assert preflight.broker_metadata_max_bytes(config, 6.0) == 4096
+    monkeypatch.setattr(kafka_admin, "AdminClient", lambda c: _Cluster({1: REFUSED}))
+    assert preflight.broker_metadata_max_bytes(config, 6.0) is None
