@@ -148,7 +148,7 @@ class RunResult:
     jvm: dict[str, Any] | None = None
     """With ``--jfr``, a warm run's JVM samples over its measured interval
     (:func:`bench.jvm_samples.summarize`)."""
-    servers: dict[str, dict[str, float]] | None = None
+    servers: dict[str, Any] | None = None
     """A warm run's servers over ``server_cpu_s``'s interval, split by process and by
     ``system.events`` (:meth:`bench.bench_limits.ServerSample.since`); the events include
     the run's own polls of the row count, one ``SELECT`` every 0.25 s."""

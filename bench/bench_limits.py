@@ -75,7 +75,7 @@ class Result:
     server_cpu_s: float
     row_bytes: float
     note: str = ""
-    servers: dict[str, dict[str, float]] | None = None
+    servers: dict[str, Any] | None = None
     """The servers' split of the interval (:meth:`ServerSample.since`), where measured."""
 
     @property
@@ -102,13 +102,29 @@ class ServerSample:
     """:meth:`Servers.sample` at one moment; two of them give an interval's split."""
 
     cpu: dict[str, float]
-    events: dict[str, int]
+    by_replica: tuple[dict[str, int], ...]
+    """Each replica's ``system.events``, in the order of the clients sampled."""
 
-    def since(self, before: ServerSample) -> dict[str, dict[str, float]]:
-        """The interval from ``before``: CPU-s by process, and every event that moved."""
+    @property
+    def events(self) -> dict[str, int]:
+        """The events summed over the replicas."""
+        out: dict[str, int] = {}
+        for events in self.by_replica:
+            for name, value in events.items():
+                out[name] = out.get(name, 0) + value
+        return out
+
+    def since(self, before: ServerSample) -> dict[str, Any]:
+        """The interval from ``before``: CPU-s by process, and every event that moved,
+        summed over the replicas and on each."""
+        def moved(now: dict[str, int], then: dict[str, int]) -> dict[str, int]:
+            return {n: v - then.get(n, 0) for n, v in sorted(now.items())
+                    if v != then.get(n, 0)}
+
         return {"cpu_s": {n: round(c - before.cpu.get(n, 0.0), 2) for n, c in self.cpu.items()},
-                "events": {n: v - before.events.get(n, 0) for n, v in sorted(self.events.items())
-                           if v != before.events.get(n, 0)}}
+                "events": moved(self.events, before.events),
+                "events_by_replica": [moved(now, then) for now, then
+                                      in zip(self.by_replica, before.by_replica, strict=True)]}
 
 
 class Servers:
@@ -132,15 +148,14 @@ class Servers:
     def sample(self, clients: Sequence[Any] = ()) -> ServerSample:
         """Each process's CPU and, from every replica of ``clients``, the counters of
         ``system.events``: what a server did for the CPU it used."""
-        events: dict[str, int] = {}
-        for client in clients:
-            for name, value in client.execute("SELECT event, value FROM system.events"):
-                events[name] = events.get(name, 0) + int(value)
-        return ServerSample(self.cpu_by_name(), events)
+        return ServerSample(self.cpu_by_name(), tuple(
+            {name: int(value) for name, value in
+             client.execute("SELECT event, value FROM system.events")}
+            for client in clients))
 
-    def summed(self, split: dict[str, dict[str, float]]) -> float:
+    def summed(self, split: dict[str, Any]) -> float:
         """:meth:`cpu`'s figure over an interval of :meth:`ServerSample.since`."""
-        return sum(split["cpu_s"].get(n, 0.0) for n in self.names)
+        return float(sum(split["cpu_s"].get(n, 0.0) for n in self.names))
 
     def restart_replicas(self) -> float:
         """Stop every ClickHouse replica (SIGTERM, then its ports free) and start them
@@ -332,7 +347,7 @@ class Inserted:
     client_cpu_s: float
     server_cpu_s: float
     quorum_waits: int
-    servers: dict[str, dict[str, float]] | None = None
+    servers: dict[str, Any] | None = None
     """The interval's :meth:`ServerSample.since`, when the inserter was given replicas."""
 
 

@@ -301,11 +301,13 @@ def test_the_warm_tables_limit_runs_after_the_same_blocks_and_is_summarised() ->
 def test_a_server_sample_splits_an_interval_by_process_and_event() -> None:
     from bench.bench_limits import ServerSample
 
-    before = ServerSample({"clickhouse-r1": 10.0, "kafka": 5.0}, {"Query": 3, "Merge": 7})
+    before = ServerSample({"clickhouse-r1": 10.0, "kafka": 5.0},
+                          ({"Query": 3, "Merge": 7}, {"Query": 1}))
     after = ServerSample({"clickhouse-r1": 12.5, "kafka": 5.25},
-                         {"Query": 9, "Merge": 7, "InsertQuery": 4})
+                         ({"Query": 9, "Merge": 7, "InsertQuery": 4}, {"Query": 1}))
     assert after.since(before) == {"cpu_s": {"clickhouse-r1": 2.5, "kafka": 0.25},
-                                   "events": {"InsertQuery": 4, "Query": 6}}
+                                   "events": {"InsertQuery": 4, "Query": 6},
+                                   "events_by_replica": [{"InsertQuery": 4, "Query": 6}, {}]}
 
 
 def test_the_centre_point_is_on_every_curve_and_own_points_stay() -> None:
