@@ -20,14 +20,28 @@ from blockagg.proto.exceptions import RegistryError
 from blockagg.proto.registry import DEFAULT_TOPIC, Entry, RegistryCache
 
 
-def _watermarks(consumer: Any, partition: Any, timeout_s: float) -> tuple[int, int]:
-    """The partition's low and high watermarks, asked again while the broker answers
-    with a retriable error (``NOT_LEADER_FOR_PARTITION`` while a restarted broker takes
-    its partitions back) until ``timeout_s`` passed."""
-    from confluent_kafka import KafkaError, KafkaException
+def _transient(error: Any) -> bool:
+    """Whether a read failing with ``error`` may succeed if asked again: a leader moving
+    (``NOT_LEADER_FOR_PARTITION`` while a restarted broker takes its partitions back),
+    no answer (:data:`~blockagg.aggregator.kafka.errors.UNANSWERED_CODES`: a broker cut
+    off, or ``_DESTROY_BROKER`` once the cluster fenced it and librdkafka dropped its
+    requests), or librdkafka's retriable flag; never a fatal error."""
+    from confluent_kafka import KafkaError
 
-    transient = {KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
-                 KafkaError._TRANSPORT, KafkaError._TIMED_OUT}
+    from blockagg.aggregator.kafka.errors import UNANSWERED_CODES, is_retriable
+
+    if not isinstance(error, KafkaError) or error.fatal():
+        return False
+    return (error.code() in (KafkaError.NOT_LEADER_FOR_PARTITION,
+                             KafkaError.LEADER_NOT_AVAILABLE)
+            or error.code() in UNANSWERED_CODES or is_retriable(error))
+
+
+def _watermarks(consumer: Any, partition: Any, timeout_s: float) -> tuple[int, int]:
+    """The partition's low and high watermarks, asked again while the error is
+    :func:`_transient` until ``timeout_s`` passed."""
+    from confluent_kafka import KafkaException
+
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -35,10 +49,8 @@ def _watermarks(consumer: Any, partition: Any, timeout_s: float) -> tuple[int, i
                 partition, timeout=max(1.0, deadline - time.monotonic()))
             return int(low), int(high)
         except KafkaException as exc:
-            error = exc.args[0] if exc.args else None
-            retriable = isinstance(error, KafkaError) and (
-                error.retriable() or error.code() in transient)
-            if not retriable or time.monotonic() + 0.5 > deadline:
+            if not _transient(exc.args[0] if exc.args else None) or (
+                    time.monotonic() + 0.5 > deadline):
                 raise
             time.sleep(0.5)
 
@@ -142,6 +154,8 @@ class KafkaStore:
                     if error.code() == KafkaError._PARTITION_EOF:
                         ends.pop(partition, None)
                         continue
+                    if _transient(error):
+                        continue  # the consumer reconnects itself; the deadline bounds it
                     raise RegistryError(f"reading {self.topic}: {error}")
                 offset = int(msg.offset() or 0)
                 records.append((offset, msg.key(), msg.value()))

@@ -108,3 +108,98 @@ def test_watermarks_are_asked_again_while_a_restarted_broker_takes_its_partition
     assert log_store._watermarks(flaky, None, 30.0) == (3, 9) and flaky.calls == 3
     with pytest.raises(KafkaException):
         log_store._watermarks(Consumer([KafkaError.TOPIC_AUTHORIZATION_FAILED]), None, 30.0)
+
+
+def test_watermarks_wait_out_a_broker_cut_off_and_then_dropped(monkeypatch: Any) -> None:
+    """A start during a broker cut (session 28's ``txn_coordinator_cut`` run): the
+    watermark request to the cut leader failed with ``_DESTROY_BROKER`` once the cluster
+    fenced it, and the start was refused; the next ask reaches the new leader."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    from blockagg.aggregator.kafka import log_store
+
+    monkeypatch.setattr("blockagg.aggregator.kafka.log_store.time.sleep", lambda s: None)
+    codes = [KafkaError._TIMED_OUT, KafkaError._DESTROY_BROKER]
+
+    class Consumer:
+        def get_watermark_offsets(self, partition: Any, timeout: float) -> tuple[int, int]:
+            if codes:
+                raise KafkaException(KafkaError(codes.pop(0)))
+            return 0, 4
+
+    assert log_store._watermarks(Consumer(), None, 30.0) == (0, 4) and not codes
+    fatal = KafkaError(KafkaError._DESTROY_BROKER, fatal=True)
+    assert not log_store._transient(fatal)
+
+
+class _Message:
+    def __init__(self, offset: int, error: Any = None) -> None:
+        self._offset, self._error = offset, error
+
+    def error(self) -> Any:
+        return self._error
+
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return self._offset
+
+    def key(self) -> bytes:
+        return f"k{self._offset}".encode()
+
+    def value(self) -> bytes:
+        return b"v"
+
+
+def _scanning(monkeypatch: Any, polled: list[Any]) -> KafkaStore:
+    import confluent_kafka
+
+    topic = SimpleNamespace(error=None, partitions={0: None})
+
+    class Consumer:
+        def __init__(self, config: dict[str, Any]) -> None:
+            pass
+
+        def list_topics(self, topic_name: str, timeout: float) -> Any:
+            return SimpleNamespace(topics={topic_name: topic})
+
+        def get_watermark_offsets(self, partition: Any, timeout: float) -> tuple[int, int]:
+            return 0, 2
+
+        def assign(self, parts: Any) -> None:
+            pass
+
+        def poll(self, timeout: float) -> Any:
+            return polled.pop(0)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(confluent_kafka, "Consumer", Consumer)
+    return KafkaStore({"bootstrap.servers": "x:1"}, "_blockagg_schemas")
+
+
+def test_a_scan_reads_on_through_a_transient_consumer_error(monkeypatch: Any) -> None:
+    """A consumer's errors from ``poll`` are mostly news (the connection to a cut leader
+    lost, all brokers down for a moment): librdkafka reconnects by itself. The scan read
+    on within its deadline instead of refusing the start."""
+    from confluent_kafka import KafkaError
+
+    store = _scanning(monkeypatch, [_Message(0), _Message(-1, KafkaError(
+        KafkaError._TRANSPORT)), _Message(-1, KafkaError(KafkaError._ALL_BROKERS_DOWN)),
+        None, _Message(1)])
+    records, end = store.scan()
+    assert [offset for offset, _, _ in records] == [0, 1] and end == 2
+
+
+def test_a_scan_still_refuses_an_error_that_asking_again_cannot_mend(
+        monkeypatch: Any) -> None:
+    from confluent_kafka import KafkaError
+
+    from blockagg.proto.exceptions import RegistryError
+
+    store = _scanning(monkeypatch, [_Message(-1, KafkaError(
+        KafkaError.TOPIC_AUTHORIZATION_FAILED, "Topic authorization failed"))])
+    with pytest.raises(RegistryError, match="Topic authorization failed"):
+        store.scan()
