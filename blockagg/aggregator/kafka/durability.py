@@ -154,15 +154,15 @@ def read(config: Mapping[str, Any], data_topics: Sequence[str],
     """The broker count and the durability of ``data_topics``, the two internal topics
     and ``own_topics`` (name -> role; the ones not created yet are skipped: blockagg
     creates them with :func:`creation_settings`). An internal topic not created yet is
-    judged by the broker settings Kafka will create it with. Four requests
-    (cluster, metadata, the topics' configs, a broker's), each within ``timeout``
-    seconds; the broker's settings come from the first broker that answers
-    (:func:`~blockagg.aggregator.kafka.broker_config.read_broker_config`). Raises
+    judged by the broker settings Kafka will create it with. Three requests
+    (cluster, metadata, configs), each within ``timeout`` seconds; the configs come
+    from the first broker that answers, lowest id first
+    (:func:`~blockagg.aggregator.kafka.broker_config.read_configs`). Raises
     :class:`UnsafeKafkaDurability` when the cluster does not tell (no DescribeConfigs
     permission)."""
-    from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
+    from confluent_kafka.admin import AdminClient
 
-    from blockagg.aggregator.kafka.broker_config import read_broker_config
+    from blockagg.aggregator.kafka.broker_config import read_configs
     from blockagg.aggregator.kafka.errors import describe, unanswered
 
     admin = AdminClient(logs.kafka_client_config(config))
@@ -175,14 +175,10 @@ def read(config: Mapping[str, Any], data_topics: Sequence[str],
                    (TRANSACTIONS_TOPIC, "transaction state")]
         wanted += list(own_topics.items())
         present = {name: t for name, t in metadata.topics.items() if t.error is None}
-        resources = [ConfigResource(ConfigResource.Type.TOPIC, name)
-                     for name, _ in wanted if name in present]
-        configs: dict[str, dict[str, str]] = {}
-        if resources:
-            futures = admin.describe_configs(resources, request_timeout=timeout)
-            configs = {res.name: {k: str(v.value) for k, v in fut.result(timeout).items()}
-                       for res, fut in futures.items()}
-        _, configs[""] = read_broker_config(admin, (n.id for n in cluster.nodes), timeout)
+        _, broker_settings, configs = read_configs(
+            admin, [n.id for n in cluster.nodes],
+            [name for name, _ in wanted if name in present], timeout)
+        configs[""] = broker_settings
     except Exception as exc:
         servers = str(config.get("bootstrap.servers", ""))
         if unanswered(exc):

@@ -43,8 +43,11 @@ class _Entry:
 
 
 class _Cluster:
-    """An AdminClient of three brokers; ``fail[id]`` is what asking broker ``id`` for its
-    settings ends with (an answer when absent). Topic settings come from any broker."""
+    """An AdminClient of three brokers; ``fail[id]`` is what a request sent to broker
+    ``id`` ends with (an answer when absent). As librdkafka does, a request naming a
+    broker's resource goes to that broker, topics and all; one naming none goes to "any
+    broker up", which here is broker 1: a cut broker looks up until its connection times
+    out."""
 
     def __init__(self, fail: dict[int, BaseException]) -> None:
         self.fail = fail
@@ -62,19 +65,13 @@ class _Cluster:
 
     def describe_configs(self, resources: list[Any], request_timeout: float
                          ) -> dict[Any, Future[Any]]:
-        brokers = [r for r in resources if r.restype == ConfigResource.Type.BROKER]
-        assert len(brokers) <= 1 and (not brokers or len(resources) == 1), (
-            "librdkafka sends a request naming a broker to that broker alone")
-        out: dict[Any, Future[Any]] = {}
-        for r in resources:
-            if r.restype == ConfigResource.Type.BROKER:
-                self.asked.append(int(r.name))
-                error = self.fail.get(int(r.name))
-                out[r] = (_done(error=error) if error is not None else
-                          _done({k: _Entry(v) for k, v in SETTINGS.items()}))
-            else:
-                out[r] = _done({k: _Entry(v) for k, v in SETTINGS.items()})
-        return out
+        brokers = [int(r.name) for r in resources if r.restype == ConfigResource.Type.BROKER]
+        assert len(brokers) <= 1, "librdkafka refuses two brokers' resources in a request"
+        target = brokers[0] if brokers else 1
+        self.asked.append(target)
+        error = self.fail.get(target)
+        return {r: (_done(error=error) if error is not None else
+                    _done({k: _Entry(v) for k, v in SETTINGS.items()})) for r in resources}
 
 
 @pytest.mark.parametrize("silence", [TimeoutError(), TIMED_OUT])
