@@ -596,7 +596,7 @@ port = 0
         produce(self.bootstrap, topic, self.rows.envelopes(),
                 transactional_id=f"bench-{self.run_id}-{self.generation}")
         before = self.servers.sample(self.clients)
-        s0 = self.servers.cpu()
+        s0 = sum(before.cpu.get(n, 0.0) for n in self.servers.names)
         self.warm_gap_s = time.monotonic() - landed_at
         t0 = time.perf_counter()
         epoch_from = time.time()
