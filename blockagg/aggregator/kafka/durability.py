@@ -154,9 +154,11 @@ def read(config: Mapping[str, Any], data_topics: Sequence[str],
     """The broker count and the durability of ``data_topics``, the two internal topics
     and ``own_topics`` (name -> role; the ones not created yet are skipped: blockagg
     creates them with :func:`creation_settings`). An internal topic not created yet is
-    judged by the broker settings Kafka will create it with. Three requests
-    (cluster, metadata, configs), each within ``timeout`` seconds; the configs come
-    from the first broker that answers, lowest id first
+    judged by the broker settings Kafka will create it with. Two reads, each within
+    ``timeout`` seconds: the metadata (brokers, topics, replicas) from any broker
+    librdkafka has up, never a DescribeCluster, which goes to the broker the last
+    metadata named controller and so, in KRaft, to a random live broker, a cut one
+    included until it is fenced; then the configs from the first broker that answers
     (:func:`~blockagg.aggregator.kafka.broker_config.read_configs`). Raises
     :class:`UnsafeKafkaDurability` when the cluster does not tell (no DescribeConfigs
     permission)."""
@@ -166,17 +168,18 @@ def read(config: Mapping[str, Any], data_topics: Sequence[str],
     from blockagg.aggregator.kafka.errors import describe, unanswered
 
     admin = AdminClient(logs.kafka_client_config(config))
+    step = "the request for the cluster's brokers and topics (Metadata)"
     try:
-        cluster = admin.describe_cluster(request_timeout=timeout).result(timeout)
-        brokers = len(cluster.nodes)
         metadata = admin.list_topics(timeout=timeout)
+        brokers = len(metadata.brokers)
         wanted: list[tuple[str, str]] = [(t, "data topic") for t in data_topics]
         wanted += [(OFFSETS_TOPIC, "metadata commits"),
                    (TRANSACTIONS_TOPIC, "transaction state")]
         wanted += list(own_topics.items())
         present = {name: t for name, t in metadata.topics.items() if t.error is None}
+        step = "the request for the broker's and topics' settings (DescribeConfigs)"
         _, broker_settings, configs = read_configs(
-            admin, [n.id for n in cluster.nodes],
+            admin, list(metadata.brokers),
             [name for name, _ in wanted if name in present], timeout)
         configs[""] = broker_settings
     except Exception as exc:
@@ -184,13 +187,13 @@ def read(config: Mapping[str, Any], data_topics: Sequence[str],
         if unanswered(exc):
             raise UnsafeKafkaDurability(
                 f"can't read the durability settings of the Kafka cluster {servers}: no "
-                f"broker answered within {timeout:.0f}s ({describe(exc)}). A broker is down "
-                "or failing over, or the cluster is out of the driver's reach; nothing was "
-                "written, so start the job again once the cluster answers (or accept not "
-                f"knowing with {OPT_OUT})") from None
+                f"broker answered {step} within {timeout:.0f}s ({describe(exc)}). A broker "
+                "is down or failing over, or the cluster is out of the driver's reach; "
+                "nothing was written, so start the job again once the cluster answers (or "
+                f"accept not knowing with {OPT_OUT})") from None
         raise UnsafeKafkaDurability(
-            f"can't read the durability settings of the Kafka cluster {servers} within "
-            f"{timeout:.0f}s ({describe(exc)}): grant DescribeConfigs on its topics and "
+            f"can't read the durability settings of the Kafka cluster {servers}: {step} "
+            f"was refused ({describe(exc)}): grant DescribeConfigs on its topics and "
             f"cluster, or accept not knowing with {OPT_OUT}") from None
     replicas = {name: [len(p.replicas) for p in t.partitions.values()]
                 for name, t in present.items()}

@@ -14,13 +14,17 @@ id at every call, since a recreation must be seen by the next batch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from blockagg import logs
 from blockagg.aggregator.core.metadata import incarnation_of
 from blockagg.aggregator.kafka.errors import describe, unanswered
 from blockagg.aggregator.kafka.exceptions import KafkaAdapterError
+
+TRIES = 3
+"""Tries of a read within its timeout (:meth:`TopicIncarnations._ask`)."""
 
 
 class IncarnationError(KafkaAdapterError):
@@ -46,12 +50,8 @@ class TopicIncarnations:
 
     def cluster_id(self) -> str:
         if self._cluster_id is None:
-            try:
-                result = self._client().describe_cluster(
-                    request_timeout=self.timeout_s).result(self.timeout_s)
-            except Exception as exc:
-                raise IncarnationError(
-                    f"can't read the Kafka cluster id: {self._why(exc)}") from exc
+            result = self._ask("the Kafka cluster id", lambda admin, seconds: (
+                admin.describe_cluster(request_timeout=seconds).result(seconds)))
             if not result.cluster_id:
                 raise IncarnationError("the Kafka cluster reports no cluster id; blockagg "
                                        "needs a KRaft or ZooKeeper cluster of Kafka 2.8+")
@@ -61,14 +61,30 @@ class TopicIncarnations:
     def topic_id(self, topic: str) -> str:
         from confluent_kafka import TopicCollection
 
-        try:
-            futures = self._client().describe_topics(TopicCollection([topic]),
-                                                     request_timeout=self.timeout_s)
-            description = futures[topic].result(self.timeout_s)
-        except Exception as exc:
-            raise IncarnationError(
-                f"can't read the topic id of {topic}: {self._why(exc)}") from exc
+        description = self._ask(f"the topic id of {topic}", lambda admin, seconds: (
+            admin.describe_topics(TopicCollection([topic]),
+                                  request_timeout=seconds)[topic].result(seconds)))
         return str(description.topic_id)
+
+    def _ask(self, what: str, call: Callable[[Any, float], Any]) -> Any:
+        """``call(admin, seconds)``, tried up to :data:`TRIES` times within
+        ``timeout_s`` in all.
+
+        DescribeCluster and DescribeTopics go to the broker the client's last metadata
+        named controller, which in KRaft is a random live broker: a broker cut off but
+        not yet fenced (``broker.session.timeout.ms``) may be named, and the client keeps
+        asking it. So a try that goes unanswered drops the client, and the next one
+        bootstraps afresh and is told another; a refusal ends the read at once."""
+        deadline = time.monotonic() + self.timeout_s
+        for tried in range(1, TRIES + 1):
+            left = deadline - time.monotonic()
+            try:
+                return call(self._client(), min(left, self.timeout_s / TRIES))
+            except Exception as exc:
+                if not unanswered(exc) or tried == TRIES or left < 0.1:
+                    raise IncarnationError(f"can't read {what}: {self._why(exc)}") from exc
+                self._admin = None
+        raise AssertionError("unreachable")
 
     def _why(self, exc: BaseException) -> str:
         if unanswered(exc):
