@@ -859,17 +859,42 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def probe_kafka(port: int, timeout: float = 2.0, host: str = HOST) -> bool:
-    """True when the broker answers a Metadata request listing at least one broker."""
+def kafka_brokers_seen(port: int, timeout: float = 2.0, host: str = HOST) -> int | None:
+    """How many brokers the broker's answer to a Metadata request lists (the live ones:
+    a KRaft broker lists only unfenced brokers), or ``None`` when it does not answer."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.settimeout(timeout)
             s.sendall(kafka_metadata_request(7))
             (size,) = struct.unpack(">i", _recv_exact(s, 4))
-            brokers = parse_kafka_metadata_brokers(_recv_exact(s, size), 7)
-            return len(brokers) >= 1
+            return len(parse_kafka_metadata_brokers(_recv_exact(s, size), 7))
     except (OSError, ValueError, struct.error):
-        return False
+        return None
+
+
+def probe_kafka(port: int, timeout: float = 2.0, host: str = HOST) -> bool:
+    """True when the broker answers a Metadata request listing at least one broker."""
+    return (kafka_brokers_seen(port, timeout, host) or 0) >= 1
+
+
+def wait_cluster_formed(brokers: Sequence[Broker], timeout: float = 60.0,
+                        seen: Callable[[Broker], int | None] | None = None) -> None:
+    """Wait until each of ``brokers`` lists them all. A node answers Metadata as soon as
+    it has registered, before the controller has unfenced the others, so right after a
+    start one may name only itself, and a client bootstrapped from it sees a cluster of
+    one (a test saw ``[3]`` where it asked for ``[1, 2, 3]``)."""
+    ask = seen or (lambda b: kafka_brokers_seen(b.port, host=b.host))
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = {b.service: ask(b) for b in brokers}
+        if all((c or 0) >= len(brokers) for c in counts.values()):
+            return
+        if time.monotonic() >= deadline:
+            views = ", ".join(f"{name} lists {c if c is not None else 'nothing'}"
+                              for name, c in counts.items())
+            raise StackError(f"the Kafka cluster did not form within {timeout:.0f}s: "
+                             f"{views} of {len(brokers)} brokers")
+        time.sleep(0.3)
 
 
 def probe_zookeeper(port: int, timeout: float = 2.0) -> bool:
@@ -1763,6 +1788,9 @@ def cmd_up(cfg: StackConfig) -> int:
     for name in kafkas:
         services[name].wait_up()
         log(f"{name} is up ({time.monotonic() - t0:.1f}s)")
+    if kafkas and cfg.brokers > 1:
+        wait_cluster_formed([b for b in cfg.kafka_brokers if b.service not in cut])
+        log(f"the Kafka cluster lists every node ({time.monotonic() - t0:.1f}s)")
     log(
         f'stack up in {time.monotonic() - t0:.1f}s; `eval "$(scripts/stack env)"` for its addresses'
     )

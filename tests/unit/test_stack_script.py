@@ -317,6 +317,27 @@ def test_probe_kafka_against_a_fake_broker() -> None:
     assert not stack_lib.probe_kafka(port)
 
 
+def test_a_cluster_is_up_only_once_every_node_lists_every_node() -> None:
+    """Right after a start a node may answer Metadata naming only itself (the others not
+    unfenced yet): ``scripts/stack up`` waits for each node to list all of them."""
+    nodes = [stack_lib.Broker(i, 9090 + i, 9190 + i) for i in (1, 2, 3)]
+    views = {"kafka": [3], "kafka-2": [3], "kafka-3": [1, 1, 2, 3]}
+    asked: list[str] = []
+
+    def seen(b: stack_lib.Broker) -> int | None:
+        asked.append(b.service)
+        left = views[b.service]
+        return left.pop(0) if len(left) > 1 else left[0]
+
+    stack_lib.wait_cluster_formed(nodes, timeout=10, seen=seen)
+    assert asked.count("kafka-3") == 4
+    with pytest.raises(stack_lib.StackError,
+                       match=r"did not form within 0s: kafka lists 3, kafka-2 lists "
+                             r"nothing, kafka-3 lists 1 of 3 brokers"):
+        stack_lib.wait_cluster_formed(nodes, timeout=0, seen=lambda b: {
+            "kafka": 3, "kafka-2": None, "kafka-3": 1}[b.service])
+
+
 def test_probe_zookeeper_reads_srvr_mode() -> None:
     port = _serve_once(b"Zookeeper version: 3.8.0\nMode: standalone\n")
     assert stack_lib.probe_zookeeper(port)
