@@ -74,7 +74,8 @@ class TopicIncarnations:
         named controller, which in KRaft is a random live broker: a broker cut off but
         not yet fenced (``broker.session.timeout.ms``) may be named, and the client keeps
         asking it. So a try that goes unanswered drops the client, and the next one
-        bootstraps afresh and is told another; a refusal ends the read at once."""
+        bootstraps afresh and is named a controller afresh (never the cut node once the
+        cluster has fenced it); a refusal ends the read at once."""
         deadline = time.monotonic() + self.timeout_s
         for tried in range(1, TRIES + 1):
             left = deadline - time.monotonic()
