@@ -295,13 +295,15 @@ def test_the_start_reads_the_brokers_settings_past_a_cut_lowest_broker(
     (every time, after 6 s); the broker count from a DescribeCluster, which goes to the
     broker the metadata names controller, in KRaft a random live broker, the cut one
     included (about 1 start in 10, after 6 s); and the incarnation's reads, which go
-    there too (30 s). Now the settings are asked of every broker at once, the count
-    comes from the metadata, and a silent controller is left for a fresh client.
+    there too (30 s), as does a first start's creation of its compacted topics. Now the
+    settings are asked of every broker at once, the count comes from the metadata, and a
+    silent controller is left for a fresh client.
 
     The clients bootstrap from all three nodes, the cut one included, as a job's
     ``bootstrap.servers`` usually lists them: librdkafka tries another node while the
     cut one's connection hangs."""
     from blockagg.aggregator.kafka.incarnation import TopicIncarnations
+    from blockagg.aggregator.kafka.log_store import KafkaStore
 
     if (reason := cluster.cut_unavailable()) is not None:
         pytest.skip(f"no broker cut on this machine: {reason}")
@@ -320,8 +322,13 @@ def test_the_start_reads_the_brokers_settings_past_a_cut_lowest_broker(
         checked = time.monotonic() - started
         assert preflight.broker_metadata_max_bytes(config) == expected
         assert TopicIncarnations(config.kafka.librdkafka_config()).of(topic) == incarnation
+        read = time.monotonic() - started
+        store = KafkaStore(config.kafka.librdkafka_config(), f"_cl_cutstart_{topic[-8:]}")
+        store.ensure_topic()
+        assert store.end() == 0
         print(f"\nnode {lowest} cut: the start's Kafka checks passed in {checked:.1f}s, "
-              f"the incarnation read after {time.monotonic() - started:.1f}s")
+              f"the incarnation read after {read:.1f}s, a compacted topic created after "
+              f"{time.monotonic() - started:.1f}s")
     cluster.wait_in_sync(120)
 
 

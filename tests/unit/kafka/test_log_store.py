@@ -26,7 +26,7 @@ class FakeAdmin:
     def list_topics(self, timeout: float) -> Any:
         return SimpleNamespace(topics={}, brokers={i: None for i in range(self.brokers)})
 
-    def create_topics(self, topics: list[Any]) -> dict[str, Any]:
+    def create_topics(self, topics: list[Any], request_timeout: float) -> dict[str, Any]:
         FakeAdmin.created.extend(topics)
         return {t.topic: SimpleNamespace(result=lambda timeout: None) for t in topics}
 
@@ -54,6 +54,82 @@ def test_an_explicit_replication_factor_is_kept(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(confluent_kafka.admin, "AdminClient", FakeAdmin)
     KafkaStore({"bootstrap.servers": "x:1"}, "_s").ensure_topic(replication_factor=1)
     assert FakeAdmin.created[0].replication_factor == 1
+
+
+class _ScriptedAdmins:
+    """The AdminClients ``ensure_topic`` makes, in turn: each one's CreateTopics ends
+    as ``outcomes`` says (``None``: never answers, an exception: that error, ``"ok"``:
+    created); the topic shows in the metadata once a CreateTopics was ``"created"``."""
+
+    def __init__(self, *outcomes: Any) -> None:
+        self.outcomes = list(outcomes)
+        self.made = 0
+        self.exists = False
+
+    def __call__(self, config: object) -> Any:
+        from concurrent.futures import Future
+
+        self.made += 1
+        outcome = self.outcomes.pop(0)
+        scripted = self
+
+        class _Admin:
+            def list_topics(self, timeout: float) -> Any:
+                topics = {"_blockagg_owners": None} if scripted.exists else {}
+                return SimpleNamespace(topics=topics, brokers={1: None, 2: None, 3: None})
+
+            def create_topics(self, topics: list[Any], request_timeout: float
+                              ) -> dict[str, Any]:
+                future: Future[None] = Future()
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                elif outcome == "ok":
+                    future.set_result(None)
+                elif outcome == "created":  # created, but the answer never came back
+                    scripted.exists = True
+                return {t.topic: future for t in topics}
+
+        return _Admin()
+
+
+def _ensure(monkeypatch: pytest.MonkeyPatch, admins: _ScriptedAdmins,
+            timeout_s: float = 30.0) -> None:
+    import confluent_kafka.admin
+
+    monkeypatch.setattr(confluent_kafka.admin, "AdminClient", admins)
+    KafkaStore({"bootstrap.servers": "x:1"}, "_blockagg_owners",
+               timeout_s=timeout_s).ensure_topic()
+
+
+def test_a_creation_sent_to_a_silent_controller_is_asked_again_by_a_fresh_client(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CreateTopics goes to the broker the metadata named controller, in KRaft a random
+    live broker, a cut one included until it is fenced. Before, the first start of a
+    job during such a cut waited out the 30 s and was refused."""
+    admins = _ScriptedAdmins(None, "ok")
+    _ensure(monkeypatch, admins, timeout_s=1.5)
+    assert admins.made == 2
+
+
+def test_a_creation_whose_answer_was_lost_finds_the_topic_made(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    admins = _ScriptedAdmins("created", None)
+    _ensure(monkeypatch, admins, timeout_s=1.5)
+    assert admins.made == 2
+
+
+def test_a_refused_creation_is_not_asked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    from blockagg.proto.exceptions import RegistryError
+
+    refused = KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED,
+                                        "Topic authorization failed"))
+    admins = _ScriptedAdmins(refused, "ok")
+    with pytest.raises(RegistryError, match=r"can't create registry topic _blockagg_owners: "
+                                            r".*Topic authorization failed"):
+        _ensure(monkeypatch, admins)
+    assert admins.made == 1
 
 
 class FakeProducer:
