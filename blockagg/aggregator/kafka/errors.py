@@ -5,7 +5,9 @@ and fail at once on anything else, with the broker's reason."""
 
 from __future__ import annotations
 
-from typing import Final
+import time
+from collections.abc import Callable
+from typing import Final, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -63,3 +65,33 @@ def describe(exc: BaseException) -> str:
     """``exc`` in words: its text, or its type's name when it has none (a future that
     timed out raises a ``TimeoutError`` without text)."""
     return str(exc) or type(exc).__name__
+
+
+T = TypeVar("T")
+
+CONTROLLER_TRIES: Final = 3
+"""Tries of a request sent to the named controller (:func:`ask_controller`)."""
+
+
+def ask_controller(call: Callable[[float], T], timeout: float,
+                   drop_client: Callable[[], None] = lambda: None) -> T:
+    """``call(seconds)``, tried up to :data:`CONTROLLER_TRIES` times within ``timeout``
+    seconds in all, each try given an equal share; raises the last try's error.
+
+    librdkafka sends DescribeCluster, DescribeTopics and CreateTopics to the broker the
+    client's last metadata named controller, which in KRaft is a random live broker: a
+    broker cut off but not yet fenced (``broker.session.timeout.ms``) may be named, and
+    the client keeps asking it. So after a try that gets no answer (:func:`unanswered`)
+    ``drop_client()`` discards the client, and the next try's fresh one bootstraps and is
+    named a controller afresh (never the cut node once the cluster has fenced it). Any
+    other error ends the tries at once."""
+    deadline = time.monotonic() + timeout
+    for tried in range(1, CONTROLLER_TRIES + 1):
+        left = deadline - time.monotonic()
+        try:
+            return call(min(left, timeout / CONTROLLER_TRIES))
+        except Exception as exc:
+            if not unanswered(exc) or tried == CONTROLLER_TRIES or left < 0.1:
+                raise
+            drop_client()
+    raise AssertionError("unreachable")

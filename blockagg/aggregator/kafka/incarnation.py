@@ -14,17 +14,13 @@ id at every call, since a recreation must be seen by the next batch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from blockagg import logs
 from blockagg.aggregator.core.metadata import incarnation_of
-from blockagg.aggregator.kafka.errors import describe, unanswered
+from blockagg.aggregator.kafka.errors import ask_controller, describe, unanswered
 from blockagg.aggregator.kafka.exceptions import KafkaAdapterError
-
-TRIES = 3
-"""Tries of a read within its timeout (:meth:`TopicIncarnations._ask`)."""
 
 
 class IncarnationError(KafkaAdapterError):
@@ -67,25 +63,17 @@ class TopicIncarnations:
         return str(description.topic_id)
 
     def _ask(self, what: str, call: Callable[[Any, float], Any]) -> Any:
-        """``call(admin, seconds)``, tried up to :data:`TRIES` times within
-        ``timeout_s`` in all.
+        """``call(admin, seconds)`` by :func:`~blockagg.aggregator.kafka.errors.ask_controller`
+        (DescribeCluster and DescribeTopics go to the named controller, a cut node
+        included): a try without an answer drops the kept client."""
+        def dropped() -> None:
+            self._admin = None
 
-        DescribeCluster and DescribeTopics go to the broker the client's last metadata
-        named controller, which in KRaft is a random live broker: a broker cut off but
-        not yet fenced (``broker.session.timeout.ms``) may be named, and the client keeps
-        asking it. So a try that goes unanswered drops the client, and the next one
-        bootstraps afresh and is named a controller afresh (never the cut node once the
-        cluster has fenced it); a refusal ends the read at once."""
-        deadline = time.monotonic() + self.timeout_s
-        for tried in range(1, TRIES + 1):
-            left = deadline - time.monotonic()
-            try:
-                return call(self._client(), min(left, self.timeout_s / TRIES))
-            except Exception as exc:
-                if not unanswered(exc) or tried == TRIES or left < 0.1:
-                    raise IncarnationError(f"can't read {what}: {self._why(exc)}") from exc
-                self._admin = None
-        raise AssertionError("unreachable")
+        try:
+            return ask_controller(lambda seconds: call(self._client(), seconds),
+                                  self.timeout_s, dropped)
+        except Exception as exc:
+            raise IncarnationError(f"can't read {what}: {self._why(exc)}") from exc
 
     def _why(self, exc: BaseException) -> str:
         if unanswered(exc):

@@ -55,10 +55,6 @@ def _watermarks(consumer: Any, partition: Any, timeout_s: float) -> tuple[int, i
             time.sleep(0.5)
 
 
-CREATE_TRIES = 3
-"""Tries of the topic's creation within the store's timeout (:meth:`KafkaStore.ensure_topic`)."""
-
-
 class KafkaStore:
     """The registry topic. ``config`` is librdkafka configuration
     (``bootstrap.servers``, SASL/TLS settings…), passed through unchanged."""
@@ -76,18 +72,15 @@ class KafkaStore:
         cluster's broker count (RF 3 and ``min.insync.replicas=2`` on three brokers or
         more, not the broker's default of 1), so the start-up check accepts it.
 
-        CreateTopics goes to the broker the client's metadata named controller, in KRaft
-        a random live broker, a cut one included until the cluster fences it; so a try
-        that gets no answer drops the client and a fresh one asks again (up to
-        :data:`CREATE_TRIES` tries within ``timeout_s``). A try that was answered but
-        whose answer was lost finds the topic there, which is success."""
+        CreateTopics goes to the named controller, a cut node included, so it is sent by
+        :func:`~blockagg.aggregator.kafka.errors.ask_controller`: a try without an answer
+        is asked again by a fresh client. A try that was answered but whose answer was
+        lost finds the topic there, which is success."""
         from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
-        from blockagg.aggregator.kafka.errors import unanswered
+        from blockagg.aggregator.kafka.errors import ask_controller
 
-        deadline = time.monotonic() + self.timeout_s
-        for tried in range(1, CREATE_TRIES + 1):
-            seconds = min(deadline - time.monotonic(), self.timeout_s / CREATE_TRIES)
+        def create(seconds: float) -> None:
             admin = AdminClient(logs.kafka_client_config(self.config))
             md = admin.list_topics(timeout=self.timeout_s)
             if self.topic in md.topics:
@@ -100,17 +93,19 @@ class KafkaStore:
             futures = admin.create_topics([NewTopic(
                 self.topic, num_partitions=1, replication_factor=rf, config=settings)],
                 request_timeout=seconds)
-            try:
-                for fut in futures.values():
+            for fut in futures.values():
+                try:
                     fut.result(seconds)
-                return
-            except Exception as exc:
-                if "TOPIC_ALREADY_EXISTS" in str(exc):
-                    return
-                if not unanswered(exc) or tried == CREATE_TRIES or seconds < 0.1:
-                    raise RegistryError(
-                        f"can't create registry topic {self.topic}: {exc or type(exc).__name__}"
-                    ) from exc
+                except Exception as exc:
+                    if "TOPIC_ALREADY_EXISTS" not in str(exc):
+                        raise
+
+        try:
+            ask_controller(create, self.timeout_s)
+        except Exception as exc:
+            raise RegistryError(
+                f"can't create registry topic {self.topic}: {exc or type(exc).__name__}"
+            ) from exc
 
     def read(self) -> list[tuple[bytes | None, bytes | None]]:
         return [(k, v) for _, k, v in self.scan()[0]]

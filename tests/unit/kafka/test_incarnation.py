@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from blockagg.aggregator.kafka.incarnation import TRIES, IncarnationError, TopicIncarnations
+from blockagg.aggregator.kafka.errors import CONTROLLER_TRIES as TRIES
+from blockagg.aggregator.kafka.incarnation import IncarnationError, TopicIncarnations
 
 
 class _Admin:
