@@ -83,6 +83,7 @@ from blockagg.spark.components import (
 from blockagg.spark.exceptions import TaskContractError
 from blockagg.spark.heap import keep_heap
 from blockagg.spark.offsets import PlannedRange, TopicPartition
+from blockagg.spark.zip_imports import keep_zip_directories
 
 _log = logs.get("task")
 
@@ -379,6 +380,7 @@ def run_range(
     """Run the protocol over one planned range; return the report dict."""
     logs.setup_worker()
     keep_heap()
+    keep_zip_directories()
     started = time.time()
     config = ctx.config
     rng = ctx.ranges.get(tp)
