@@ -7,9 +7,10 @@ PySpark's worker calls ``importlib.invalidate_caches()`` before each task's own 
 then, in Python (CPython gh-103200; 3.12 made it lazy). A worker holds one importer per
 package path it has imported from an archive: ``pyspark.zip`` (1,220 entries) and each
 of its subpackages, py4j's zip, and the ``spark-core`` jar (5,261 entries), which Spark
-puts on every worker's ``PYTHONPATH``. Together that is 0.1–0.4 s of a core at the
-start of every task, before the task has read a record (docs/BENCHMARKS.md, *Each
-task's start*): at 8 tasks a batch on 2 cores, a fifth of the batch.
+puts on every worker's ``PYTHONPATH``. Together that is 0.1 s of a core at the start of
+every task on an idle machine, and 0.18–0.55 s of wall inside a batch whose other slot
+and servers share the cores, before the task has read a record (docs/BENCHMARKS.md,
+*Each task's start*).
 
 :func:`keep_zip_directories` makes the re-read conditional: an importer reads its
 archive again when the file has changed since it last read it (its size, modification
