@@ -61,7 +61,11 @@ def keep_zip_directories() -> bool:
     eager = zipimport.zipimporter.invalidate_caches
 
     def invalidate_caches(self: Any) -> None:
-        now = archive_stat(self.archive)
+        archive = getattr(self, "archive", None)
+        if not isinstance(archive, str):
+            eager(self)
+            return
+        now = archive_stat(archive)
         if now is not None and getattr(self, _READ_AT, None) == now:
             return
         eager(self)

@@ -63,3 +63,31 @@ def test_an_archive_rewritten_in_place_is_read_again_and_its_new_module_imported
     _, changed, value = ten_task_starts(tmp_path, "kept")
     assert (changed, value) == (1, 2)
 
+
+
+REMOVED = """
+import importlib, os, sys, zipfile
+from blockagg.spark.zip_imports import keep_zip_directories
+archive = sys.argv[1]
+with zipfile.ZipFile(archive, "w") as z:
+    z.writestr("gone.py", "VALUE = 1\\n")
+sys.path.insert(0, archive)
+import gone
+assert keep_zip_directories()
+importlib.invalidate_caches()
+os.remove(archive)
+importlib.invalidate_caches()  # the interpreter's own handling: the archive's files dropped
+del sys.modules["gone"]
+try:
+    import gone
+except ImportError:
+    print("not found")
+"""
+
+
+@pytest.mark.skipif(not eagerly_reread(), reason="this interpreter reads zip directories lazily")
+def test_a_removed_archive_is_left_to_the_interpreter_and_its_modules_no_longer_found(
+        tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", REMOVED, str(tmp_path / "lib.zip")],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "not found"
