@@ -13,6 +13,9 @@ import pytest
 
 from blockagg.spark.zip_imports import eagerly_reread
 
+pytestmark = pytest.mark.skipif(not eagerly_reread(),
+                                reason="this interpreter reads zip directories lazily (3.12+)")
+
 TASKS = """
 import importlib, os, sys, zipfile, zipimport
 from blockagg.spark.zip_imports import keep_zip_directories
@@ -49,7 +52,6 @@ def ten_task_starts(tmp_path: Path, mode: str) -> tuple[int, int, int]:
     return int(unchanged), int(changed), int(value)
 
 
-@pytest.mark.skipif(not eagerly_reread(), reason="this interpreter reads zip directories lazily")
 def test_an_unchanged_archive_is_read_once_not_at_every_tasks_start(tmp_path: Path) -> None:
     default = ten_task_starts(tmp_path, "default")
     assert default[0] == 10, f"this interpreter does not read again eagerly: {default}"
@@ -57,7 +59,6 @@ def test_an_unchanged_archive_is_read_once_not_at_every_tasks_start(tmp_path: Pa
     assert unchanged == 1, f"the archive's directory was read {unchanged} times in 10 starts"
 
 
-@pytest.mark.skipif(not eagerly_reread(), reason="this interpreter reads zip directories lazily")
 def test_an_archive_rewritten_in_place_is_read_again_and_its_new_module_imported(
         tmp_path: Path) -> None:
     _, changed, value = ten_task_starts(tmp_path, "kept")
@@ -85,7 +86,6 @@ except ImportError:
 """
 
 
-@pytest.mark.skipif(not eagerly_reread(), reason="this interpreter reads zip directories lazily")
 def test_a_removed_archive_is_left_to_the_interpreter_and_its_modules_no_longer_found(
         tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", REMOVED, str(tmp_path / "lib.zip")],
